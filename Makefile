@@ -1,0 +1,67 @@
+# minirt: two commands do everything.
+#   make book   build the environment, fetch the model once, execute every chapter
+#   make test   build the environment, fetch the model once, run every check (BOOK.md section 7)
+# Other targets: lab, test-gpu, exercises, model, env, clean.
+
+PYTHON      ?= python3
+VENV        ?= .venv
+# The torch requirement. Plain `torch` lets pip choose the build for your platform
+# (CUDA on Linux with pip's defaults, Metal on macOS). For a CPU-only Linux build:
+#   make book TORCH_SPEC=torch TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_SPEC  ?= torch
+TORCH_INDEX ?=
+BIN         := $(VENV)/bin
+STAMP       := $(VENV)/.minirt-installed
+NB_EXEC     := $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+               --ExecutePreprocessor.timeout=600 --ExecutePreprocessor.kernel_name=python3
+NBVAL       := --nbval --nbval-current-env --nbval-sanitize-with tools/nbval_sanitize.cfg
+CHAPTERS    := $(sort $(wildcard chapters/*.ipynb))
+SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))
+
+.PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 > /dev/null
+	touch $@
+
+env: $(STAMP)
+
+model: env
+	$(BIN)/python -m minirt.model fetch
+
+lab: model
+	$(BIN)/jupyter lab chapters/
+
+book: model
+	$(NB_EXEC) $(CHAPTERS)
+
+solutions: model
+	$(NB_EXEC) $(SOLUTIONS)
+
+exercises: env
+	$(BIN)/python tools/make_exercises.py
+
+lint: env
+	$(BIN)/ruff check minirt tests tools benchmarks conftest.py
+
+test-unit: env
+	$(BIN)/python -m pytest -q tests
+
+test-notebooks: model
+	TQDM_DISABLE=1 $(BIN)/python -m pytest -q $(NBVAL) $(CHAPTERS) $(SOLUTIONS)
+
+test: model lint
+	$(BIN)/python tools/make_exercises.py --check
+	TQDM_DISABLE=1 $(BIN)/python -m pytest -q tests $(NBVAL) $(CHAPTERS) $(SOLUTIONS)
+
+# On a CUDA machine: the asserts in every notebook still run, outputs are not compared
+# (bf16 numbers differ from the CPU-stored ones), and the tests run with the model on cuda.
+test-gpu: model
+	MINIRT_DEVICE=cuda TQDM_DISABLE=1 $(BIN)/python -m pytest -q tests --nbval-lax $(CHAPTERS) $(SOLUTIONS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,136 @@
+"""Helpers the notebooks use: a reproducible set-up cell, code listings, and the chapter map.
+
+``CHAPTER_MODULES`` is the one place that says which chapter introduces which
+``minirt`` module; a test checks that every notebook imports only modules introduced
+by its own chapter or an earlier one, so the book can be read in order.
+"""
+
+from __future__ import annotations
+
+import html
+import inspect
+import os
+import platform
+import random
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["CHAPTER_MODULES", "Listing", "introduced_in", "setup", "show"]
+
+# Chapter number -> the minirt modules it introduces (later chapters may extend a module).
+CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
+    0: ("model", "book", "errors", "checks"),
+    1: ("kv",),
+    2: ("radix", "viz"),
+    3: ("cache", "workloads", "widgets"),
+    4: ("pool", "lifecycle"),
+    5: ("eviction",),
+    6: ("engine",),
+    7: ("scheduler",),
+    8: ("hashcache",),
+}
+
+
+def introduced_in(module: str) -> int:
+    """The chapter that introduces ``minirt.<module>``; KeyError if no chapter does."""
+    for chapter, modules in CHAPTER_MODULES.items():
+        if module in modules:
+            return chapter
+    raise KeyError(f"minirt.{module} is not introduced by any chapter (see CHAPTER_MODULES)")
+
+
+def setup(seed: int = 0, quiet: bool = False) -> torch.device:
+    """Make a notebook reproducible and say what it runs on; returns the device.
+
+    Seeds Python, NumPy and torch, asks torch for deterministic algorithms where
+    they exist, silences warnings that are noise for a reader, and prints versions.
+    """
+    from .model import default_device
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:  # pragma: no cover - transformers is a hard dependency
+        tf_version = "missing"
+    device = default_device()
+    if not quiet:
+        print(f"python {platform.python_version()} | torch {torch.__version__} | "
+              f"transformers {tf_version} | device {device} | threads {torch.get_num_threads()}")
+    return device
+
+
+def _package_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+class Listing:
+    """Source code with a title; plain text in a terminal, highlighted HTML in Jupyter."""
+
+    def __init__(self, title: str, source: str, first_line: int) -> None:
+        self.title = title
+        self.source = source
+        self.first_line = first_line
+
+    def __repr__(self) -> str:
+        lines = self.source.rstrip("\n").split("\n")
+        width = len(str(self.first_line + len(lines) - 1))
+        body = "\n".join(f"{self.first_line + i:>{width}}  {line}" for i, line in enumerate(lines))
+        return f"# {self.title}\n{body}"
+
+    def _repr_html_(self) -> str:
+        try:
+            from pygments import highlight
+            from pygments.formatters import HtmlFormatter
+            from pygments.lexers import PythonLexer
+        except ImportError:  # pragma: no cover - pygments ships with IPython
+            return f"<pre>{html.escape(repr(self))}</pre>"
+        formatter = HtmlFormatter(linenos="inline", linenostart=self.first_line, noclasses=True)
+        code = highlight(self.source, PythonLexer(), formatter)
+        return f"<div><b><code>{html.escape(self.title)}</code></b>{code}</div>"
+
+
+def show(obj) -> Listing:
+    """The source of a minirt function, class or method, titled with its file and lines.
+
+    Paths are relative to the repository (``minirt/cache.py:40-88``), so stored
+    notebook outputs do not depend on where the book was cloned.
+    """
+    target = inspect.unwrap(obj)
+    if isinstance(target, property):
+        target = target.fget
+    try:
+        lines, first = inspect.getsourcelines(target)
+        path = Path(inspect.getsourcefile(target) or "?").resolve()
+    except (TypeError, OSError) as exc:
+        raise TypeError(f"show() needs a function, class or method with source, got {obj!r}") from exc
+    try:
+        rel = path.relative_to(_package_root()).as_posix()
+    except ValueError:
+        rel = path.name
+    name = getattr(target, "__qualname__", getattr(target, "__name__", "?"))
+    title = f"{rel}:{first}-{first + len(lines) - 1}  ({name})"
+    return Listing(title, "".join(lines), first)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    setup()
+    print(sys.version)

@@ -1,0 +1,8 @@
+"""Self-checks for the exercises: ``minirt.checks.check_<thing>(...)``.
+
+Each checker prints one success line or raises ``AssertionError`` saying which
+input was tried, what was expected and what came back. One module per chapter.
+"""
+
+from ._common import passed  # noqa: F401
+from .ch00 import *  # noqa: F401,F403

