@@ -27,6 +27,10 @@ class ModelUnavailableError(ModelError):
     """The default model is not cached and cannot be fetched (no network)."""
 
 
+class KVMismatchError(MinirtError, ValueError):
+    """Per-layer K/V that do not fit the model or each other: layers, heads, head_dim, length, dtype."""
+
+
 class HandleError(MinirtError):
     """A cache handle that cannot be used: never locked, already unlocked, or stale."""
 
