@@ -121,7 +121,8 @@ def show(obj) -> Listing:
         lines, first = inspect.getsourcelines(target)
         path = Path(inspect.getsourcefile(target) or "?").resolve()
     except (TypeError, OSError) as exc:
-        raise TypeError(f"show() needs a function, class or method with source, got {obj!r}") from exc
+        msg = f"show() needs a function, class or method with source, got {obj!r}"
+        raise TypeError(msg) from exc
     try:
         rel = path.relative_to(_package_root()).as_posix()
     except ValueError:

