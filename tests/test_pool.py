@@ -1,0 +1,179 @@
+"""KVPool: pages and the free list, misuse errors, and the transformers adapter on tiny_model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minirt.errors import InvalidIdsError, OutOfMemoryError, PoolError
+from minirt.model import tiny_model
+from minirt.pool import KVPool, PageTable, forward_paged
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0)
+
+
+def small_pool(capacity=16, page_size=1):
+    return KVPool(num_layers=2, kv_heads=2, head_dim=4, capacity=capacity, page_size=page_size)
+
+
+def test_shape_and_bytes_per_token(model):
+    pool = KVPool.for_model(model, 32)
+    assert pool.k.shape == (2, 32, 2, 16) and pool.v.shape == pool.k.shape
+    assert pool.bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert pool.nbytes == 32 * pool.bytes_per_token
+    assert pool.dtype == torch.float32 and pool.device == next(model.parameters()).device
+    half = KVPool(2, 2, 16, 8, dtype=torch.float16)
+    assert half.bytes_per_token == pool.bytes_per_token // 2
+
+
+def test_alloc_lowest_pages_first_and_free_roundtrip():
+    pool = small_pool(12, page_size=4)
+    a = pool.alloc(8)
+    assert a.tolist() == list(range(8)) and a.dtype == torch.int64
+    assert pool.num_free == 4
+    pool.free(a[:4])
+    assert pool.free_slots().tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    b = pool.alloc(4)
+    assert b.tolist() == [0, 1, 2, 3]
+    pool.free(torch.cat([b, a[4:]]))
+    assert pool.num_free == 12 and pool.alloc(0).numel() == 0
+
+
+@pytest.mark.parametrize(
+    "action, error, words",
+    [
+        (lambda p, a: p.free(a[:2]), PoolError, "already free"),       # double free
+        (lambda p, a: p.free([8, 9, 10, 11]), PoolError, "never allocated"),
+        (lambda p, a: p.free([4, 5]), PoolError, "only in part"),      # partial page
+        (lambda p, a: p.free([4, 5, 6, 7, 4]), PoolError, "more than once"),
+        (lambda p, a: p.free([99]), PoolError, "outside the pool"),
+        (lambda p, a: p.free([-1]), PoolError, "outside the pool"),
+        (lambda p, a: p.free([4.5]), InvalidIdsError, "integers"),
+        (lambda p, a: p.alloc(16), OutOfMemoryError, "only 12 of 16"),
+        (lambda p, a: p.alloc(3), PoolError, "whole pages"),
+        (lambda p, a: p.alloc(-4), PoolError, "non-negative"),
+    ],
+)
+def test_misuse_raises_and_leaves_pool_unchanged(action, error, words):
+    pool = small_pool(16, page_size=4)
+    a = pool.alloc(4)
+    pool.alloc(4)
+    pool.free(a)
+    before = pool.snapshot()
+    with pytest.raises(error, match=words):
+        action(pool, a)
+    assert pool.snapshot() == before
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5)), max_size=30),
+       st.sampled_from([1, 2, 4]))
+def test_free_list_accounting(ops, page_size):
+    """Random alloc/free: held + free always partition the pool, against a set model."""
+    pool = small_pool(24, page_size=page_size)
+    held: list[torch.Tensor] = []
+    for is_alloc, n in ops:
+        if is_alloc:
+            want = n * page_size
+            if want > pool.num_free:
+                with pytest.raises(OutOfMemoryError):
+                    pool.alloc(want)
+            else:
+                held.append(pool.alloc(want))
+        elif held:
+            pool.free(held.pop(n % len(held)))
+        owned = torch.cat(held + [pool.free_slots()]) if held else pool.free_slots()
+        assert sorted(owned.tolist()) == list(range(24))
+
+
+def test_page_table_repoint():
+    t = PageTable([5, 6, 7])
+    t.append(torch.tensor([9]))
+    t.repoint([0, 1])
+    assert t.tolist() == [0, 1, 7, 9] and len(t) == 4 and int(t[3]) == 9
+    with pytest.raises(PoolError):
+        t.repoint([0, 1, 2, 3, 4])
+
+
+def test_prefill_through_pool_equals_plain(model):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (12,))
+    ref = model(ids[None]).logits[0]
+    pool = KVPool.for_model(model, 32)
+    table = PageTable(pool.alloc(12))
+    got = forward_paged(model, pool, [table], [ids], last_only=False)[0]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # The pool now holds the K/V: a second request reuses the first 7 positions' slots.
+    t2 = PageTable(table.slots[:7])
+    t2.append(pool.alloc(5))
+    got2 = forward_paged(model, pool, [t2], [ids[7:]], last_only=False)[0]
+    torch.testing.assert_close(got2, ref[7:], atol=1e-5, rtol=1e-5)
+    # Wrong K/V in a reused slot changes the logits: the pool really is what attention reads.
+    pool.k[:, int(table.slots[2])] += 1.0
+    t3 = PageTable(table.slots[:7])
+    t3.append(pool.alloc(5))
+    got3 = forward_paged(model, pool, [t3], [ids[7:]], last_only=False)[0]
+    assert not torch.allclose(got3, ref[7:], atol=1e-3)
+
+
+def test_greedy_decode_through_pool_equals_plain(model):
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 128, (6,))
+    seq = prompt.clone()
+    for _ in range(5):  # plain greedy without any cache
+        seq = torch.cat([seq, model(seq[None]).logits[0, -1].argmax()[None]])
+    pool = KVPool.for_model(model, 16)
+    table = PageTable(pool.alloc(6))
+    tok = forward_paged(model, pool, [table], [prompt])[0].argmax()
+    out = [int(tok)]
+    for _ in range(4):
+        table.append(pool.alloc(1))
+        tok = forward_paged(model, pool, [table], [tok[None]])[0].argmax()
+        out.append(int(tok))
+    assert out == seq[6:].tolist()
+
+
+def test_batched_decode_and_prefill_of_different_lengths(model):
+    torch.manual_seed(3)
+    pool = KVPool.for_model(model, 64)
+    seqs = [torch.randint(0, 128, (n,)) for n in (3, 8, 5)]
+    tables = []
+    for s in seqs:
+        tables.append(PageTable(pool.alloc(len(s))))
+        forward_paged(model, pool, [tables[-1]], [s])
+    nxt = [torch.tensor([t]) for t in (4, 40, 90)]
+    for t in tables:
+        t.append(pool.alloc(1))
+    outs = forward_paged(model, pool, tables, nxt)
+    for s, n, o in zip(seqs, nxt, outs, strict=True):
+        torch.testing.assert_close(o, model(torch.cat([s, n])[None]).logits[0, -1],
+                                   atol=1e-5, rtol=1e-5)
+    # Batched prefill: one request with 5 cached tokens and 4 new, one fresh with 6.
+    a, b = torch.randint(0, 128, (9,)), torch.randint(0, 128, (6,))
+    ta = PageTable(pool.alloc(5))
+    forward_paged(model, pool, [ta], [a[:5]])
+    ta.append(pool.alloc(4))
+    tb = PageTable(pool.alloc(6))
+    got_a, got_b = forward_paged(model, pool, [ta, tb], [a[5:], b], last_only=False)
+    torch.testing.assert_close(got_a, model(a[None]).logits[0, 5:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_b, model(b[None]).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_forward_paged_rejects_missing_slots(model):
+    pool = KVPool.for_model(model, 8)
+    with pytest.raises(PoolError, match="allocate slots"):
+        forward_paged(model, pool, [PageTable([0, 1])], [torch.tensor([1, 2, 3])])
+
+
+def test_pool_for_model_follows_model_dtype():
+    m = tiny_model(0).to(torch.float64)
+    pool = KVPool.for_model(m, 8)
+    assert pool.dtype == torch.float64 and pool.bytes_per_token == 2 * 2 * 2 * 16 * 8
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    got = forward_paged(m, pool, [PageTable(pool.alloc(5))], [ids])[0]
+    torch.testing.assert_close(got, m(ids[None]).logits[0, -1])
