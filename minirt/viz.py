@@ -1,0 +1,211 @@
+"""Pictures of the radix tree: graphviz drawings, a plain-text outline, a nested-key summary.
+
+``draw_tree`` returns a ``graphviz.Digraph`` whose ``.source`` depends only on the
+tree (children in key order, nodes named by traversal order, no memory addresses),
+so a drawing can be asserted on and compared between runs. Each node shows its
+tokens (ids, or decoded text when a tokenizer is given), its pool slots, its
+``ref_count`` and its last access tick; protected nodes (ref_count > 0) and
+evictable ones (unlocked leaves) are coloured, and a matched path is drawn bold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import graphviz
+
+from .radix import RadixNode
+
+__all__ = ["STYLE", "draw_tree", "node_state", "path_to_root", "tree_dict", "tree_nodes",
+           "tree_text"]
+
+# Colours and shapes, in one place so the legend always matches the drawing.
+STYLE: dict[str, dict[str, str]] = {
+    "root": {"shape": "circle", "style": "filled", "fillcolor": "#d9d9d9", "fontsize": "10"},
+    "internal": {"shape": "box", "style": "rounded,filled", "fillcolor": "#ffffff"},
+    "protected": {"shape": "box", "style": "rounded,filled", "fillcolor": "#fdd49e"},
+    "evictable": {"shape": "box", "style": "rounded,filled,dashed", "fillcolor": "#c7e9c0"},
+    "highlight": {"color": "#d62728", "penwidth": "3"},
+}
+_LEGEND = [
+    ("protected", "protected\n(ref_count > 0)"),
+    ("evictable", "evictable\n(unlocked leaf)"),
+    ("internal", "unlocked inner node"),
+]
+
+
+def _root_of(tree: Any) -> RadixNode:
+    """The root node of a RadixCache (its ``root``) or the node itself."""
+    root = getattr(tree, "root", tree)
+    if not isinstance(root, RadixNode):
+        raise TypeError(f"draw a RadixCache or a RadixNode, got {type(tree).__name__}")
+    return root
+
+
+def _sorted_children(node: RadixNode) -> list[RadixNode]:
+    """Children in key order (first token, or first page tuple): a deterministic layout."""
+    return [node.children[k] for k in sorted(node.children)]
+
+
+def tree_nodes(tree: Any) -> Iterator[RadixNode]:
+    """Every node, root first, depth first, children in key order."""
+    stack = [_root_of(tree)]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(_sorted_children(node)))
+
+
+def path_to_root(node: RadixNode) -> list[RadixNode]:
+    """``node`` and its ancestors up to the root, root last."""
+    path = []
+    current: RadixNode | None = node
+    while current is not None:
+        path.append(current)
+        current = current.parent
+    return path
+
+
+def node_state(node: RadixNode) -> str:
+    """'root', 'protected' (ref_count > 0), 'evictable' (unlocked leaf) or 'internal'."""
+    if node.is_root():
+        return "root"
+    if node.ref_count > 0:
+        return "protected"
+    return "evictable" if node.is_leaf() else "internal"
+
+
+def tree_dict(tree: Any) -> dict[tuple[int, ...], dict]:
+    """The tree's shape as nested dicts keyed by each node's token tuple (root omitted).
+
+    ``{(101, 11): {(12,): {(21, 22): {}, (31, 32): {}}, (99,): {}}}`` is the seed's A/B/C tree.
+    """
+    def build(node: RadixNode) -> dict:
+        return {tuple(c.key.tolist()): build(c) for c in _sorted_children(node)}
+
+    return build(_root_of(tree))
+
+
+def _highlighted(highlight: Any) -> set[int]:
+    """Python ids of the nodes to draw bold, from a node, handle, match/insert result or list."""
+    if highlight is None:
+        return set()
+    if isinstance(highlight, RadixNode):
+        return {id(n) for n in path_to_root(highlight)}
+    if isinstance(highlight, Iterable) and not isinstance(highlight, (str, bytes)):
+        nodes = list(highlight)
+        if not all(isinstance(n, RadixNode) for n in nodes):
+            raise TypeError("highlight list must hold RadixNode objects")
+        return {id(n) for n in nodes}
+    handle = getattr(highlight, "handle", highlight)
+    node = getattr(handle, "node", None)
+    if not isinstance(node, RadixNode):
+        raise TypeError(
+            "highlight must be a RadixNode, a list of them, a handle, or a match/insert result; "
+            f"got {type(highlight).__name__}")
+    return {id(n) for n in path_to_root(node)}
+
+
+def _shorten_ids(values: list[int], max_tokens: int, prefix: str = "") -> str:
+    shown = ", ".join(f"{prefix}{v}" for v in values[:max_tokens])
+    extra = len(values) - max_tokens
+    return f"[{shown} … +{extra} tokens]" if extra > 0 else f"[{shown}]"
+
+
+def _text(tokenizer: Any, ids: list[int], max_tokens: int) -> str:
+    """Decoded text of the first ``max_tokens`` ids, whitespace made visible, then a count."""
+    text = tokenizer.decode(ids[:max_tokens])
+    text = text.replace("\n", "⏎").replace("\t", "⇥")
+    extra = len(ids) - max_tokens
+    return f"'{text}' … +{extra} tokens" if extra > 0 else f"'{text}'"
+
+
+def _label_lines(node: RadixNode, tokenizer: Any, max_tokens: int, slot_prefix: str,
+                 show_ids: bool) -> list[str]:
+    if node.is_root():
+        return ["root"]
+    keys = node.key.tolist()
+    tokens = _text(tokenizer, keys, max_tokens) if tokenizer else _shorten_ids(keys, max_tokens)
+    lines = [tokens, "slots " + _shorten_ids(node.value.tolist(), max_tokens, slot_prefix),
+             f"ref={node.ref_count}  last={node.last_access}"]
+    if show_ids:
+        lines.insert(0, f"#{node.id}  len={node.length}")
+    return lines
+
+
+def _escape(line: str) -> str:
+    """Escape a label line for DOT: backslashes and quotes are taken literally."""
+    return line.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def draw_tree(tree: Any, tokenizer: Any = None, highlight: Any = None, max_tokens: int = 8, *,
+              slot_prefix: str = "p", show_ids: bool = False, legend: bool = True,
+              title: str | None = None, rankdir: str = "TB") -> graphviz.Digraph:
+    """A graphviz drawing of a RadixCache (or the subtree under a RadixNode).
+
+    Nodes show their tokens (decoded if ``tokenizer`` is given, at most ``max_tokens``,
+    then "… +N tokens"), pool slots, ref_count and last access tick. ``highlight``
+    (a node, a handle, a MatchResult/InsertResult, or a list of nodes) is drawn bold;
+    for a node or handle, the whole path from the root. Deterministic ``.source``.
+    """
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    bold = _highlighted(highlight)
+    graph = graphviz.Digraph("radix_tree")
+    graph.attr(rankdir=rankdir, fontname="Helvetica", fontsize="11")
+    graph.attr("node", fontname="Helvetica", fontsize="10")
+    graph.attr("edge", arrowsize="0.6")
+    if title:
+        graph.attr(label=_escape(title), labelloc="t")
+    names: dict[int, str] = {}
+    for i, node in enumerate(tree_nodes(tree)):
+        name = names[id(node)] = f"n{i}"
+        attrs = dict(STYLE[node_state(node)])
+        if id(node) in bold:
+            attrs.update(STYLE["highlight"])
+        lines = _label_lines(node, tokenizer, max_tokens, slot_prefix, show_ids)
+        graph.node(name, "\\n".join(_escape(ln) for ln in lines), **attrs)
+        parent = node.parent
+        if parent is not None and id(parent) in names:
+            edge = dict(STYLE["highlight"]) if id(node) in bold and id(parent) in bold else {}
+            graph.edge(names[id(parent)], name, **edge)
+    if legend:
+        with graph.subgraph(name="cluster_legend") as box:
+            box.attr(label="legend", fontsize="10", style="dashed", color="#999999")
+            previous = None
+            for state, text in _LEGEND + [("highlight", "matched path")]:
+                attrs = dict(STYLE["internal"] if state == "highlight" else STYLE[state])
+                if state == "highlight":
+                    attrs.update(STYLE["highlight"])
+                box.node(f"legend_{state}", _escape(text).replace("\n", "\\n"), **attrs)
+                if previous:
+                    box.edge(previous, f"legend_{state}", style="invis")
+                previous = f"legend_{state}"
+    return graph
+
+
+def tree_text(tree: Any, tokenizer: Any = None, max_tokens: int = 8, *,
+              slot_prefix: str = "p") -> str:
+    """A plain-text outline of the tree, one node a line (for stored, comparable outputs).
+
+    Each line: tokens, slots, ref_count and a state tag: [P] protected, [E] evictable.
+    """
+    tags = {"protected": " [P]", "evictable": " [E]", "internal": "", "root": ""}
+    lines: list[str] = []
+
+    def walk(node: RadixNode, depth: int) -> None:
+        if node.is_root():
+            lines.append("root")
+        else:
+            keys = node.key.tolist()
+            tokens = (_text(tokenizer, keys, max_tokens) if tokenizer
+                      else _shorten_ids(keys, max_tokens))
+            slots = _shorten_ids(node.value.tolist(), max_tokens, slot_prefix)
+            lines.append(f"{'    ' * depth}{tokens} -> {slots} ref={node.ref_count}"
+                         f"{tags[node_state(node)]}")
+        for child in _sorted_children(node):
+            walk(child, depth + 1)
+
+    walk(_root_of(tree), 0)
+    return "\n".join(lines)
