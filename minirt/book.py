@@ -25,8 +25,8 @@ __all__ = ["CHAPTER_MODULES", "Listing", "introduced_in", "setup", "show"]
 CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     0: ("model", "book", "errors", "checks"),
     1: ("kv",),
-    2: ("radix", "viz"),
-    3: ("cache", "workloads", "widgets"),
+    2: ("radix", "viz", "workloads"),
+    3: ("cache", "widgets"),
     4: ("pool", "lifecycle"),
     5: ("eviction",),
     6: ("engine",),
