@@ -1,0 +1,616 @@
+"""The life of a request against the prefix cache and the KV pool, as reusable library code.
+
+The seed's steps, one method each on ``Lifecycle`` (the engine of chapter 06 reuses them):
+
+1. ``match``: the longest cached prefix of the prompt -> a handle (not yet safe to use).
+2. ``schedule_order``: which waiting request goes first (FCFS or shortest-prefill-first).
+3. ``lock``: ref_count +1 from the handle's node to the root; the prefix turns protected.
+4. ``allocate``: pool slots for the uncached gap only, evicting unlocked leaves when short
+   (``evict`` hands back slots, which go back on the pool's free list).
+5. ``prefill`` on the model through the pool, then ``insert_running``: the new tokens join
+   the tree; duplicates another request inserted meanwhile are freed *after* the request's
+   page table is re-pointed at the tree's copy; the lock moves to the longer prefix.
+6. ``decode`` steps (a batch of requests of different lengths), then ``finish``: insert
+   prompt + output, unlock, free the tail that is not a whole page.
+7. ``make_room``: evict (policy-driven, tree-level) versus ``KVPool.free`` (plain return).
+
+``check_integrity`` states the invariants that make this safe: every pool slot is owned
+exactly once (free list, tree, or one running request), ref counts equal the number of
+running requests whose handle runs through each node, and no page table points at a
+free slot. ``LifecycleState`` snapshots feed the chapter's step-through widget.
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import CacheHandle, MatchResult, RadixCache, as_ids
+from .errors import OutOfMemoryError, PoolError, RequestError, StaleHandleError
+from .pool import KVPool, PageTable, forward_paged
+from .radix import RadixNode
+
+__all__ = [
+    "Lifecycle",
+    "LifecycleState",
+    "Request",
+    "check_integrity",
+    "greedy_reference",
+    "lifecycle_stepper",
+    "node_path",
+    "pool_map",
+    "pool_map_text",
+    "schedule_order",
+    "state_snapshot",
+]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+_rids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and everything the runtime tracks for it.
+
+    ``page_table`` maps positions to slots: the first ``cached_len`` belong to the tree
+    (protected by ``handle``), the rest are the request's own ``private`` slots, in order
+    (``private`` may end with unused slots of its last page). ``kv_len`` positions have
+    K/V in the pool; the last output token's K/V is written by the next decode step.
+    """
+
+    rid: str
+    prompt: torch.Tensor
+    max_new_tokens: int
+    eos_token_id: int | None = None
+    arrival: int = 0
+    state: str = "waiting"  # waiting -> locked -> running -> finished
+    output: list[int] = field(default_factory=list)
+    match: MatchResult | None = None
+    handle: CacheHandle | None = None
+    cached_len: int = 0
+    kv_len: int = 0
+    reused_len: int = 0  # prompt tokens taken from the cache at admission
+    page_table: PageTable = field(default_factory=PageTable)
+    private: torch.Tensor = field(default_factory=lambda: _EMPTY)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Prompt followed by the tokens generated so far."""
+        return torch.cat([self.prompt, torch.tensor(self.output, dtype=torch.int64)])
+
+    @property
+    def done(self) -> bool:
+        """Generated ``max_new_tokens``, or the end-of-sequence token."""
+        return len(self.output) >= self.max_new_tokens or (
+            self.eos_token_id is not None and bool(self.output)
+            and self.output[-1] == self.eos_token_id)
+
+    @property
+    def uncached_len(self) -> int:
+        """Prompt tokens the last match did not find: the prefill work (schedule key)."""
+        matched = self.match.cached_len if self.match is not None else 0
+        return self.prompt.numel() - matched
+
+    def __repr__(self) -> str:
+        return (f"Request({self.rid}, state={self.state}, prompt={self.prompt.numel()} tokens, "
+                f"cached_len={self.cached_len}, kv_len={self.kv_len}, output={self.output})")
+
+
+def schedule_order(requests: Iterable[Request], policy: str = "fcfs") -> list[Request]:
+    """Waiting requests in the order a scheduler would try them.
+
+    ``"fcfs"``: by arrival. ``"spf"`` (shortest-prefill-first): fewest uncached prompt
+    tokens first (the cheapest to start, using each request's last ``match``), ties by
+    arrival.
+    """
+    reqs = list(requests)
+    if policy == "fcfs":
+        return sorted(reqs, key=lambda r: r.arrival)
+    if policy == "spf":
+        return sorted(reqs, key=lambda r: (r.uncached_len, r.arrival))
+    raise RequestError(f"unknown schedule policy {policy!r}; use 'fcfs' or 'spf'")
+
+
+def node_path(node: RadixNode) -> list[RadixNode]:
+    """``node`` and its ancestors, root excluded, root-most first."""
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    return path[::-1]
+
+
+def _pages(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class Lifecycle:
+    """Requests over one model, one ``KVPool`` and one ``RadixCache`` (same page size).
+
+    Every method either completes or raises leaving pool, tree and requests exactly as
+    they were (``state_snapshot`` compares), so a scheduler can simply try and retry.
+    """
+
+    def __init__(self, model, pool: KVPool, cache: RadixCache) -> None:
+        if cache.page_size != pool.page_size:
+            raise PoolError(f"cache page_size {cache.page_size} != pool page_size "
+                            f"{pool.page_size}")
+        self.model, self.pool, self.cache = model, pool, cache
+        self.page_size = pool.page_size
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+
+    # ------------------------------------------------------------ requests
+    def new_request(self, prompt, max_new_tokens: int = 1, rid: str | None = None,
+                    eos_token_id: int | None = None) -> Request:
+        """A waiting request; RequestError if it is empty or could never fit in the pool."""
+        ids = as_ids(prompt, "prompt")
+        if ids.numel() == 0:
+            raise RequestError("a request needs at least one prompt token")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        need = _pages(ids.numel() + max_new_tokens - 1, self.page_size) * self.page_size
+        if need > self.pool.capacity:
+            raise RequestError(f"the request needs up to {need} slots (prompt {ids.numel()} + "
+                               f"{max_new_tokens - 1} generated tokens with K/V) but the pool "
+                               f"holds only {self.pool.capacity}")
+        rid = rid if rid is not None else f"R{next(_rids)}"
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        req = Request(rid, ids, max_new_tokens, eos_token_id, arrival=next(self._arrivals))
+        self.requests[rid] = req
+        return req
+
+    @property
+    def running(self) -> list[Request]:
+        """Requests holding a lock or slots (locked or running), by arrival."""
+        return [r for r in self.requests.values() if r.state in ("locked", "running")]
+
+    def _require(self, req: Request, *states: str) -> None:
+        if self.requests.get(req.rid) is not req:
+            raise RequestError(f"{req.rid} does not belong to this lifecycle")
+        if req.state not in states:
+            raise RequestError(f"{req.rid} is {req.state}; this step needs it "
+                               f"{' or '.join(states)}")
+
+    # ------------------------------------------------------------ steps 1-4
+    def match(self, req: Request) -> MatchResult:
+        """Step 1: find the cached prefix (never the whole prompt: one token must be computed).
+
+        The result is only a candidate: until ``lock``, eviction may still take it.
+        """
+        self._require(req, "waiting")
+        req.match = self.cache.match_prefix(req.prompt[:-1])
+        return req.match
+
+    def lock(self, req: Request) -> CacheHandle:
+        """Step 3: protect the matched prefix (re-matching if the match went stale)."""
+        self._require(req, "waiting")
+        if req.match is None:
+            self.match(req)
+        try:
+            self.cache.lock(req.match.handle)
+        except StaleHandleError:
+            self.match(req)
+            self.cache.lock(req.match.handle)
+        m = req.match
+        req.handle, req.cached_len, req.kv_len = m.handle, m.cached_len, m.cached_len
+        req.reused_len = m.cached_len
+        req.page_table = PageTable(m.indices)
+        req.state = "locked"
+        return m.handle
+
+    def make_room(self, num_tokens: int) -> torch.Tensor:
+        """Evict unlocked leaves until ``num_tokens`` slots are free; returns the evicted slots.
+
+        The tree only hands back slot indices; putting them on the free list is ours.
+        OutOfMemoryError (nothing evicted) if free + evictable is not enough.
+        """
+        short = num_tokens - self.pool.num_free
+        if short <= 0:
+            return _EMPTY
+        if short > self.cache.evictable_size:
+            raise OutOfMemoryError(
+                f"need {num_tokens} free slots: {self.pool.num_free} free + "
+                f"{self.cache.evictable_size} evictable is not enough "
+                f"({self.cache.protected_size} cached tokens are locked, "
+                f"{self._private_total()} belong to running requests)")
+        freed = self.cache.evict(short)
+        self.pool.free(freed)
+        return freed
+
+    def _alloc(self, num_tokens: int) -> torch.Tensor:
+        """Whole pages for ``num_tokens`` tokens, evicting first if the free list is short."""
+        need = _pages(num_tokens, self.page_size) * self.page_size
+        self.make_room(need)
+        return self.pool.alloc(need)
+
+    def allocate(self, req: Request) -> torch.Tensor:
+        """Step 4: slots for the uncached gap only (the cached prefix is never re-allocated)."""
+        self._require(req, "locked")
+        gap = req.prompt.numel() - req.cached_len
+        slots = self._alloc(gap)
+        req.private = slots
+        req.page_table.append(slots[:gap])
+        req.state = "running"
+        return slots[:gap]
+
+    def admit(self, req: Request) -> None:
+        """Steps 1, 3, 4 at once, all or nothing: on OutOfMemoryError the lock is released."""
+        self._require(req, "waiting")
+        self.lock(req)
+        try:
+            self.allocate(req)
+        except Exception:
+            self._unlock_back_to_waiting(req)
+            raise
+
+    def _unlock_back_to_waiting(self, req: Request) -> None:
+        self.cache.unlock(req.handle)
+        req.handle, req.cached_len, req.kv_len, req.reused_len = None, 0, 0, 0
+        req.page_table, req.private, req.state = PageTable(), _EMPTY, "waiting"
+
+    # ------------------------------------------------------------ step 5-6: model
+    def prefill(self, req: Request, all_logits: bool = False) -> torch.Tensor:
+        """Run the uncached prompt tokens through the model, writing their K/V into the pool.
+
+        Appends the greedy next token to ``req.output``; returns the last position's
+        logits (or every new position's with ``all_logits=True``).
+        """
+        self._require(req, "running")
+        if req.kv_len != req.cached_len or req.output:
+            raise RequestError(f"{req.rid} was already prefilled")
+        new = req.prompt[req.kv_len:]
+        logits = forward_paged(self.model, self.pool, [req.page_table], [new],
+                               last_only=not all_logits)[0]
+        req.kv_len = req.prompt.numel()
+        last = logits if logits.dim() == 1 else logits[-1]
+        req.output.append(int(last.argmax()))
+        return logits
+
+    def _slot_for_next(self, req: Request) -> torch.Tensor | None:
+        """A slot for position ``kv_len``: the next unused private one, or a new page."""
+        used = len(req.page_table) - req.cached_len
+        if used < req.private.numel():
+            return None
+        return self._alloc(1)
+
+    def decode(self, reqs: Sequence[Request]) -> list[torch.Tensor]:
+        """One decode step for a batch (any lengths): feed each last token, append the next.
+
+        Slots are found before the model runs: if free + evictable cannot cover every
+        request that needs a new page, OutOfMemoryError is raised before anything changes.
+        """
+        reqs = list(reqs)
+        for r in reqs:
+            self._require(r, "running")
+            if not r.output or r.kv_len != r.prompt.numel() + len(r.output) - 1:
+                raise RequestError(f"{r.rid} must be prefilled before it can decode")
+            if r.done:
+                raise RequestError(f"{r.rid} is done; finish it instead of decoding")
+        if len({r.rid for r in reqs}) != len(reqs):
+            raise RequestError("a request appears twice in one decode batch")
+        short = [r for r in reqs if len(r.page_table) - r.cached_len >= r.private.numel()]
+        need = len(short) * self.page_size
+        if need > self.pool.num_free + self.cache.evictable_size:
+            raise OutOfMemoryError(
+                f"decode needs {need} new slots for {[r.rid for r in short]}: only "
+                f"{self.pool.num_free} free + {self.cache.evictable_size} evictable")
+        self.make_room(need)
+        taken = [self._slot_for_next(r) for r in reqs]
+        for r, slots in zip(reqs, taken, strict=True):
+            if slots is not None:
+                r.private = torch.cat([r.private, slots])
+            used = len(r.page_table) - r.cached_len
+            r.page_table.append(r.private[used:used + 1])
+        logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
+                               [torch.tensor([r.output[-1]]) for r in reqs])
+        for r, lg in zip(reqs, logits, strict=True):
+            r.kv_len += 1
+            r.output.append(int(lg.argmax()))
+        return logits
+
+    # ------------------------------------------------------------ insert, finish
+    def _insert(self, req: Request):
+        """Insert the tokens with K/V; re-point the page table; free this request's duplicates.
+
+        Order matters: the page table points at the tree's slots *before* the duplicate
+        slots go back on the free list, so the request never reads a freed slot.
+        """
+        n = req.kv_len
+        slots = req.page_table.slots[:n]
+        res = self.cache.insert_prefix(req.tokens[:n], slots)
+        aligned = int(res.indices.numel())
+        req.page_table.repoint(res.indices)              # 1. re-point first ...
+        duplicates = slots[req.cached_len:res.cached_len]
+        self.pool.free(duplicates)                       # 2. ... then free duplicates
+        req.private = req.private[aligned - req.cached_len:]  # the tree owns the rest now
+        return res, aligned
+
+    def insert_running(self, req: Request) -> CacheHandle:
+        """Step 5: cache the prefilled tokens while the request keeps running.
+
+        The lock moves from the old handle to the inserted prefix (lock new, then unlock
+        old), so other requests can share this prompt right away.
+        """
+        self._require(req, "running")
+        res, aligned = self._insert(req)
+        self.cache.lock(res.handle)
+        self.cache.unlock(req.handle)
+        req.handle, req.cached_len = res.handle, aligned
+        return res.handle
+
+    def finish(self, req: Request) -> None:
+        """Step 6: insert prompt + output, unlock, and free what could not be inserted.
+
+        Shared pages are not freed here: they stay cached (evictable) until ``make_room``
+        evicts them. Only the non-page-aligned tail (and unused slots of the last page)
+        goes straight back to the free list.
+        """
+        self._require(req, "running")
+        if req.kv_len == req.cached_len and not req.output:
+            raise RequestError(f"{req.rid} was never prefilled; use abort() to drop it")
+        _, aligned = self._insert(req)
+        self.cache.unlock(req.handle)
+        self.pool.free(req.private)
+        req.page_table = PageTable(req.page_table.slots[:aligned])
+        req.private, req.handle, req.state = _EMPTY, None, "finished"
+
+    def abort(self, req: Request) -> None:
+        """Drop a locked or running request without caching anything it computed."""
+        self._require(req, "locked", "running")
+        self.cache.unlock(req.handle)
+        self.pool.free(req.private)
+        req.page_table, req.private, req.handle = PageTable(), _EMPTY, None
+        req.state = "finished"
+
+    def run(self, req: Request) -> list[int]:
+        """Admit, prefill, insert, decode to the end and finish one request; its output."""
+        self.admit(req)
+        self.prefill(req)
+        self.insert_running(req)
+        while not req.done:
+            self.decode([req])
+        self.finish(req)
+        return list(req.output)
+
+    # ------------------------------------------------------------ inspection
+    def _private_total(self) -> int:
+        return sum(int(r.private.numel()) for r in self.running)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken pool/cache/request invariant."""
+        check_integrity(self.pool, self.cache, self.running)
+
+    def counters(self) -> dict[str, int]:
+        """Free, evictable, protected and request-private slot counts (they sum to capacity)."""
+        return {"free": self.pool.num_free, "evictable": self.cache.evictable_size,
+                "protected": self.cache.protected_size, "private": self._private_total(),
+                "capacity": self.pool.capacity}
+
+
+def greedy_reference(model, prompt, max_new_tokens: int) -> list[int]:
+    """Greedy tokens from plain full forwards, no cache of any kind: the ground truth."""
+    seq = as_ids(prompt, "prompt").to(next(model.parameters()).device)
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            tok = int(model(seq[None]).logits[0, -1].argmax())
+            out.append(tok)
+            seq = torch.cat([seq, seq.new_tensor([tok])])
+    return out
+
+
+# ---------------------------------------------------------------- invariants
+
+
+def _nodes(cache: RadixCache) -> list[RadixNode]:
+    out, stack = [], list(cache.root.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
+def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]) -> None:
+    """The invariants of pool + cache + running requests; AssertionError names the broken one.
+
+    * free + evictable + protected + request-private == capacity;
+    * every slot owned exactly once: by the free list, the tree, or one request;
+    * a request's page table = its handle's path in the tree, then its private slots;
+      no page table points at a free slot;
+    * each node's ref_count = the number of running handles through it (so a locked
+      node's ancestors are locked), and the tree's own invariants hold.
+    """
+    def require(cond: bool, what: str) -> None:
+        if not cond:
+            raise AssertionError(f"integrity: {what}")
+
+    cache.check_integrity()
+    reqs = [r for r in requests if r.state in ("locked", "running")]
+    private = sum(int(r.private.numel()) for r in reqs)
+    free, ev, pr = pool.num_free, cache.evictable_size, cache.protected_size
+    require(free + ev + pr + private == pool.capacity,
+            f"free {free} + evictable {ev} + protected {pr} + private {private} != capacity "
+            f"{pool.capacity}")
+    owner = torch.full((pool.capacity,), -1, dtype=torch.int64)
+    names = ["free list", "tree"] + [r.rid for r in reqs]
+    for who, slots in enumerate([pool.free_slots(), cache.all_values()]
+                                + [r.private for r in reqs]):
+        if not slots.numel():
+            continue
+        uniq, counts = slots.unique(return_counts=True)
+        require(bool((counts == 1).all()),
+                f"slot {int(uniq[counts > 1][0]) if (counts > 1).any() else -1} "
+                f"listed twice by {names[who]}")
+        clash = slots[owner[slots] >= 0]
+        require(clash.numel() == 0, f"slot {int(clash[0]) if clash.numel() else -1} owned "
+                f"twice: by {names[int(owner[clash[0]])] if clash.numel() else '?'} and "
+                f"by {names[who]}")
+        owner[slots] = who
+    leaked = (owner < 0).nonzero().flatten()
+    require(leaked.numel() == 0, f"slots {leaked[:8].tolist()} leaked: owned by nobody")
+    expected_refs: dict[int, int] = {}
+    for r in reqs:
+        require(r.handle is not None, f"{r.rid} is {r.state} without a handle")
+        path = node_path(r.handle.node)
+        top = path[0].parent if path else r.handle.node
+        require(top is cache.root, f"{r.rid}'s handle is stale (its node left the tree)")
+        tree_slots = torch.cat([n.value for n in path]) if path else _EMPTY
+        require(r.cached_len == tree_slots.numel() == r.handle.cached_len,
+                f"{r.rid}: cached_len {r.cached_len} != its handle's prefix {tree_slots.numel()}")
+        table = r.page_table.slots
+        require(torch.equal(table[:r.cached_len], tree_slots),
+                f"{r.rid}: page table does not start with its handle's tree slots")
+        mine = table[r.cached_len:]
+        require(mine.numel() <= r.private.numel()
+                and torch.equal(mine, r.private[:mine.numel()]),
+                f"{r.rid}: page table beyond the cached prefix is not its private slots")
+        if table.numel():
+            require(not bool(pool.is_free(table).any()),
+                    f"{r.rid}'s page table points at a free slot (use after free)")
+        for n in path:
+            expected_refs[id(n)] = expected_refs.get(id(n), 0) + 1
+    for n in _nodes(cache):
+        require(n.ref_count == expected_refs.get(id(n), 0),
+                f"node {n} has ref_count {n.ref_count} but {expected_refs.get(id(n), 0)} "
+                "running requests use it")
+        if n.ref_count:
+            require(n.parent.is_root() or n.parent.ref_count >= n.ref_count,
+                    f"locked node {n} has a less-locked parent")
+
+
+# ---------------------------------------------------------------- snapshots
+
+
+def state_snapshot(lc: Lifecycle) -> tuple:
+    """Everything observable about pool, tree and requests, as nested tuples (for ==)."""
+    def tree(node: RadixNode) -> tuple:
+        kids = tuple(tree(node.children[k]) for k in sorted(node.children))
+        return (tuple(node.key.tolist()), tuple(node.value.tolist()), node.ref_count, kids)
+
+    reqs = tuple(
+        (r.rid, r.state, r.cached_len, r.kv_len, tuple(r.output), tuple(r.page_table.tolist()),
+         tuple(r.private.tolist()), None if r.handle is None else id(r.handle.node))
+        for r in lc.requests.values())
+    return (lc.pool.snapshot(), tree(lc.cache.root), lc.cache.evictable_size,
+            lc.cache.protected_size, reqs)
+
+
+def pool_map(lc: Lifecycle) -> list[str]:
+    """The owner of every slot: 'free', 'cached' (evictable tree), 'protected', or a request id."""
+    labels = ["?"] * lc.pool.capacity
+    for s in lc.pool.free_slots().tolist():
+        labels[s] = "free"
+    for n in _nodes(lc.cache):
+        for s in n.value.tolist():
+            labels[s] = "protected" if n.ref_count else "cached"
+    for r in lc.running:
+        for s in r.private.tolist():
+            labels[s] = r.rid
+    return labels
+
+
+def pool_map_text(labels: Sequence[str]) -> str:
+    """One character per slot: ``.`` free, ``c`` cached, ``P`` protected, request ids' last char."""
+    glyph = {"free": ".", "cached": "c", "protected": "P"}
+    return "".join(glyph.get(x, x[-1]) for x in labels)
+
+
+@dataclass(frozen=True)
+class LifecycleState:
+    """One frame of the walk-through: what each step left behind (plain data, no live objects)."""
+
+    step: str
+    note: str
+    page_tables: dict[str, list[int]]
+    free: list[int]
+    ref_counts: dict[str, int]
+    counters: dict[str, int]
+    pool: list[str]
+    tree_source: str
+    tree_text: str
+
+    @classmethod
+    def capture(cls, lc: Lifecycle, step: str, note: str = "", tokenizer=None) -> LifecycleState:
+        """Snapshot ``lc`` now (the tree drawn with minirt.viz, slots prefixed 'p')."""
+        from .viz import draw_tree, tree_text
+
+        refs = {" ".join(map(str, n.key.tolist())): n.ref_count for n in _nodes(lc.cache)}
+        tables = {r.rid: r.page_table.tolist() for r in lc.requests.values()
+                  if r.state in ("locked", "running")}
+        return cls(step, note, tables, lc.pool.free_slots().tolist(), dict(sorted(refs.items())),
+                   lc.counters(), pool_map(lc),
+                   draw_tree(lc.cache, tokenizer, title=step).source,
+                   tree_text(lc.cache, tokenizer))
+
+    def counters_text(self) -> str:
+        """Counters, free list and page tables, one per line."""
+        c = self.counters
+        lines = [f"free {c['free']}  evictable {c['evictable']}  protected {c['protected']}  "
+                 f"private {c['private']}  (capacity {c['capacity']})",
+                 f"free list {self.free}"]
+        lines += [f"page table {rid}: {slots}" for rid, slots in self.page_tables.items()]
+        return "\n".join(lines)
+
+    def text(self) -> str:
+        """The whole frame as plain text: step, pool map, counters, page tables, tree."""
+        return "\n".join([f"[{self.step}] {self.note}".rstrip(),
+                          f"pool |{pool_map_text(self.pool)}|  (. free, c cached, P protected, "
+                          "else the owning request's last character)",
+                          self.counters_text(), self.tree_text])
+
+
+def step_index(current: int, delta: int, count: int) -> int:
+    """The frame after pressing Next (+1) or Back (-1): clamped to ``0 .. count-1``."""
+    return max(0, min(count - 1, current + delta))
+
+
+_POOL_COLOURS = {"free": "#ffffff", "cached": "#c7e9c0", "protected": "#fdd49e"}
+
+
+def pool_map_html(labels: Sequence[str]) -> str:
+    """The pool as a row of coloured cells (free white, cached green, protected orange)."""
+    cells = []
+    for i, x in enumerate(labels):
+        colour = _POOL_COLOURS.get(x, "#9ecae1")
+        cells.append(f"<td style='background:{colour};border:1px solid #888;padding:2px 4px;"
+                     f"font-family:monospace;font-size:11px' title='{x}'>p{i}<br>"
+                     f"{x if x not in _POOL_COLOURS else x[0]}</td>")
+    return "<table style='border-collapse:collapse'><tr>" + "".join(cells) + "</tr></table>"
+
+
+def lifecycle_stepper(states: Sequence[LifecycleState]):
+    """An ipywidgets Next/Back stepper over recorded frames: tree, pool map and counters."""
+    import graphviz
+    import ipywidgets as widgets
+
+    if not states:
+        raise RequestError("lifecycle_stepper needs at least one recorded state")
+    pos = {"i": 0}
+    title, tree, pool, text = (widgets.HTML(), widgets.HTML(), widgets.HTML(),
+                               widgets.HTML())
+    back, nxt = widgets.Button(description="Back"), widgets.Button(description="Next")
+
+    def show() -> None:
+        s = states[pos["i"]]
+        title.value = f"<b>{pos['i'] + 1}/{len(states)}: {s.step}</b> {s.note}"
+        tree.value = graphviz.Source(s.tree_source).pipe(format="svg").decode()
+        pool.value = pool_map_html(s.pool)
+        text.value = f"<pre>{html.escape(s.counters_text())}</pre>"
+        back.disabled, nxt.disabled = pos["i"] == 0, pos["i"] == len(states) - 1
+
+    def move(delta: int) -> None:
+        pos["i"] = step_index(pos["i"], delta, len(states))
+        show()
+
+    back.on_click(lambda _: move(-1))
+    nxt.on_click(lambda _: move(+1))
+    show()
+    return widgets.VBox([widgets.HBox([back, nxt, title]), pool, text, tree])
