@@ -1,0 +1,299 @@
+"""Checkers for chapter 05: which nodes eviction may take, what evicting an internal node
+would break, block reference counts, and Belady's optimum at token granularity.
+
+Every checker builds its own inputs, runs the reader's function, compares with a
+reference (the real ``RadixCache.evict``, or ``belady_hit_rate``) and names the first
+input that disagrees.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..cache import RadixCache
+from ..eviction import belady_hit_rate
+from ..radix import RadixNode
+from ._common import expect, passed
+
+__all__ = ["check_belady_hits", "check_eviction_order", "check_orphaned_slots", "check_refcounts"]
+
+# A tree is built from a script of steps, each ("insert" | "match" | "lock", token ids).
+# "insert" caches the ids (fresh slots for the uncached part); "match" touches the cached
+# prefix (a hit, one clock tick); "lock" matches and locks the result, as a running request.
+Script = Sequence[tuple[str, Sequence[int]]]
+
+_A, _B, _C = [101, 11, 12, 21, 22], [101, 11, 12, 31, 32], [101, 11, 99]
+
+# (what it shows, script, token counts to ask for)
+EVICTION_TREES: list[tuple[str, list[tuple[str, list[int]]], list[int]]] = [
+    ("the seed's A/B/C tree, nothing locked",
+     [("insert", _A), ("insert", _B), ("insert", _C)], [1, 2, 3, 4, 5, 8]),
+    ("A/B/C with C running (locked)",
+     [("insert", _A), ("insert", _B), ("insert", _C), ("lock", _C)], [1, 2, 3, 5]),
+    ("A/B/C, then A matched again: B's leaf is now the oldest",
+     [("insert", _A), ("insert", _B), ("insert", _C), ("match", _A)], [1, 2, 3, 5, 8]),
+    ("a node and its extension touched at the same tick (ties go to the older id)",
+     [("insert", [1, 2]), ("insert", [1, 2, 3]), ("insert", [7, 8, 9])], [1, 2, 3, 6]),
+    ("a locked inner node whose children are free, with a younger branch beside it",
+     [("insert", _A), ("insert", _B), ("insert", _C), ("lock", [101, 11]),
+      ("insert", [50, 51])], [2, 4, 5, 6, 7]),
+    ("a long old leaf: one victim frees more than asked",
+     [("insert", [5] + list(range(20, 40))), ("insert", [5, 6, 7]), ("insert", [9, 9])],
+     [1, 2, 3, 20, 21, 22, 24]),
+]
+
+
+def build_cache(script: Script, policy: str = "lru") -> RadixCache:
+    """A ``RadixCache`` built by ``script``; slots are handed out 0, 1, 2, ... as needed.
+
+    Two builds from one script give the same tree, slots and eviction order.
+    """
+    cache = RadixCache(policy=policy)
+    next_slot = 0
+    for step, ids in script:
+        ids = list(ids)
+        if step == "insert":
+            match = cache.match_prefix(ids)
+            need = len(ids) - match.cached_len
+            fresh = torch.arange(next_slot, next_slot + need, dtype=torch.int64)
+            next_slot += need
+            cache.insert_prefix(ids, torch.cat([match.indices, fresh]))
+        elif step == "match":
+            cache.match_prefix(ids)
+        elif step == "lock":
+            cache.lock(cache.match_prefix(ids).handle)
+        else:
+            raise ValueError(f"unknown script step {step!r}")
+    return cache
+
+
+def path_tokens(node: RadixNode) -> list[int]:
+    """The token ids a node stands for: the keys from the root down to it."""
+    parts: list[list[int]] = []
+    while node.parent is not None:
+        parts.append(node.key.tolist())
+        node = node.parent
+    return [t for part in reversed(parts) for t in part]
+
+
+def _state(cache: RadixCache) -> tuple:
+    """Everything eviction could change: the shape, slots, locks and clocks of every node."""
+    def walk(node: RadixNode) -> tuple:
+        kids = tuple(walk(node.children[k]) for k in sorted(node.children))
+        return (tuple(node.key.tolist()), tuple(node.value.tolist()), node.ref_count,
+                node.last_access, kids)
+
+    return walk(cache.root), cache.size_info, cache.num_nodes
+
+
+def _describe(nodes: Sequence[RadixNode]) -> list[list[int]]:
+    return [path_tokens(n) for n in nodes]
+
+
+def check_eviction_order(eviction_order: Callable[[RadixCache, int], Sequence[RadixNode]]) -> None:
+    """Exercise 5.1: the nodes ``cache.evict(num_tokens)`` would remove, in order, without
+    removing them (LRU: smallest ``(last_access, id)`` first among unlocked leaves)."""
+    for name, script, amounts in EVICTION_TREES:
+        for num_tokens in amounts:
+            mine, theirs = build_cache(script), build_cache(script)
+            expect(num_tokens <= mine.evictable_size, "checker bug: asks for too much")
+            before = _state(mine)
+            got = eviction_order(mine, num_tokens)
+            expected_slots = theirs.evict(num_tokens).tolist()
+            call = f"eviction_order(<{name}>, {num_tokens})"
+            expect(_state(mine) == before,
+                   f"{call} changed the tree: it must only say what evict would remove "
+                   "(work on your own bookkeeping, not on the nodes).")
+            got = list(got) if got is not None else None
+            expect(got is not None and all(isinstance(n, RadixNode) for n in got),
+                   f"{call} returned {got!r}: expected a list of RadixNode objects")
+            got_slots = [s for n in got for s in n.value.tolist()]
+            if got_slots != expected_slots:
+                victims = []
+                for s in expected_slots:  # the reference victims, as nodes of the reader's tree
+                    node = next(n for n in _all_nodes(mine) if s in n.value.tolist())
+                    if not victims or victims[-1] is not node:
+                        victims.append(node)
+                expect(False,
+                       f"{call} returned nodes {_describe(got)} (paths from the root), expected "
+                       f"{_describe(victims)}. Only unlocked leaves are candidates; the smallest "
+                       "(last_access, id) goes first; a parent whose last child goes becomes a "
+                       "candidate if it is unlocked; stop once at least num_tokens are freed.")
+    passed("5.1", f"{sum(len(a) for _, _, a in EVICTION_TREES)} eviction orders on "
+                  f"{len(EVICTION_TREES)} trees match RadixCache.evict")
+
+
+def _all_nodes(cache: RadixCache) -> list[RadixNode]:
+    out, stack = [], list(cache.root.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
+def _as_int_list(got) -> list[int] | None:
+    """``got`` (a list, tuple, set or 1-D integer tensor) as a list of Python ints; else None."""
+    if isinstance(got, torch.Tensor):
+        if got.dim() != 1 or got.is_floating_point() or got.dtype == torch.bool:
+            return None
+        return [int(x) for x in got.tolist()]
+    try:
+        items = list(got)
+    except TypeError:
+        return None
+    out = []
+    for x in items:
+        if isinstance(x, bool):
+            return None
+        try:
+            out.append(operator.index(x))
+        except TypeError:
+            return None
+    return out
+
+
+def _orphaned(node: RadixNode) -> list[int]:
+    slots: list[int] = []
+    stack = list(node.children.values())
+    while stack:
+        n = stack.pop()
+        slots.extend(n.value.tolist())
+        stack.extend(n.children.values())
+    return sorted(slots)
+
+
+_ORPHAN_TREE = [("insert", _A), ("insert", _B), ("insert", _C), ("insert", [101, 11, 12, 21, 40]),
+                ("insert", [7, 8])]
+
+
+def check_orphaned_slots(orphaned_slots: Callable[[RadixNode], Sequence[int]]) -> None:
+    """Exercise 5.2: the pool slots that would become unreachable (and never be freed) if
+    ``node`` were cut out of the tree: the slots of every node below it."""
+    cache = build_cache(_ORPHAN_TREE)
+    nodes = sorted(_all_nodes(cache), key=path_tokens)
+    inner = 0
+    for node in nodes:
+        expected = _orphaned(node)
+        inner += bool(expected)
+        got = _as_int_list(orphaned_slots(node))
+        expect(got is not None and sorted(got) == expected and len(got) == len(expected),
+               f"orphaned_slots(node {path_tokens(node)} with key {node.key.tolist()}, slots "
+               f"{node.value.tolist()}) returned {got!r}, expected {expected} (each once): the "
+               "slots of every node below it, children, grandchildren and deeper. The node's "
+               "own slots are not orphaned: eviction hands those back.")
+    passed("5.2", f"{len(nodes)} nodes checked; cutting out any of the {inner} inner nodes "
+                  "would strand K/V that no request can reach and the pool never gets back")
+
+
+# Reference counts per block, seed 000 style: the cache and every running request hold
+# references; a block goes back to the free list only when its count reaches zero.
+Event = tuple[str, Sequence[int]]
+REFCOUNT_SCENARIOS: list[tuple[str, list[Event]]] = [
+    ("the seed's case: evict a leaf a running request still uses",
+     [("alloc", [0, 1]), ("insert", [0, 1]), ("finish", [0, 1]),
+      ("hit", [0, 1]), ("alloc", [2, 3]), ("insert", [2, 3]), ("evict", [2, 3]),
+      ("finish", [0, 1, 2, 3]), ("evict", [0, 1])]),
+    ("a request that finishes before anything is cached",
+     [("alloc", [4, 5, 6]), ("finish", [4, 5, 6])]),
+    ("two requests share a cached prefix; the cache drops it while both run",
+     [("alloc", [0, 1, 2]), ("insert", [0, 1, 2]), ("finish", [0, 1, 2]),
+      ("hit", [0, 1]), ("hit", [0, 1]), ("evict", [2]), ("evict", [0, 1]),
+      ("finish", [0, 1]), ("finish", [0, 1])]),
+    ("the tail that is not cached goes back at finish; the cached part waits for evict",
+     [("alloc", [8, 9, 10]), ("insert", [8, 9]), ("finish", [8, 9, 10]), ("evict", [8, 9])]),
+]
+_KINDS = {"alloc": 1, "hit": 1, "insert": 1, "finish": -1, "evict": -1}
+
+
+def _replay_refs(events: Sequence[Event]) -> list[list[int]]:
+    refs: dict[int, int] = {}
+    freed_per_event = []
+    for kind, blocks in events:
+        delta = _KINDS[kind]
+        freed = []
+        for b in blocks:
+            if kind == "alloc":
+                assert refs.get(b, 0) == 0, f"block {b} allocated while in use"
+            refs[b] = refs.get(b, 0) + delta
+            assert refs[b] >= 0, f"block {b} released more often than held"
+            if refs[b] == 0:
+                freed.append(b)
+        freed_per_event.append(sorted(freed))
+    return freed_per_event
+
+
+def check_refcounts(replay_refs: Callable[[list[Event]], Sequence[Sequence[int]]]) -> None:
+    """Exercise 5.3: which blocks each event physically frees, with block reference counts."""
+    for name, events in REFCOUNT_SCENARIOS:
+        expected = _replay_refs(events)
+        got = replay_refs([(kind, list(blocks)) for kind, blocks in events])
+        try:
+            lists = [_as_int_list(g) for g in got]
+        except TypeError:
+            lists = None
+        got_lists = None if lists is None or None in lists else [sorted(g) for g in lists]
+        expect(got_lists is not None and len(got_lists) == len(events),
+               f"replay_refs(<{name}>) returned {got!r}: expected one list of freed blocks per "
+               f"event ({len(events)} events)")
+        for i, (event, want, have) in enumerate(zip(events, expected, got_lists, strict=True)):
+            expect(have == want,
+                   f"replay_refs(<{name}>): event {i} {event} freed {have}, expected {want}. "
+                   f"Events so far: {events[:i + 1]}. A block is freed only when the last "
+                   "reference to it (the cache's or a running request's) goes.")
+    passed("5.3", f"{len(REFCOUNT_SCENARIOS)} scenarios; evicting a leaf a running request "
+                  "uses frees nothing until the request finishes")
+
+
+def _belady_hits(trace: Sequence[Sequence[int]], capacity: int) -> int:
+    total = sum(len(r) for r in trace)
+    return round(belady_hit_rate(trace, capacity) * total)
+
+
+def _random_trace(seed: int) -> tuple[list[list[int]], int]:
+    """Requests that extend a few shared stems (a system prompt, documents), some one-offs."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(1, 6) for _ in range(rng.randint(2, 5))] for _ in range(3)]
+    trace = []
+    for _ in range(rng.randint(6, 12)):
+        if rng.random() < 0.75:
+            stem = rng.choice(stems)
+            trace.append(stem + [rng.randrange(1, 4) for _ in range(rng.randint(0, 3))])
+        else:
+            trace.append([rng.randrange(10, 20) for _ in range(rng.randint(1, 5))])
+    longest = max(len(r) for r in trace)
+    return trace, longest + rng.randint(0, 6)
+
+
+BELADY_TRACES: list[tuple[str, list[list[int]], int]] = [
+    ("the chapter's hot prefix", [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [20, 21, 22, 23],
+                                  [30, 31, 32, 33], [1, 2, 3, 4, 7]], 10),
+    ("keep the shallow end of a chain", [[1, 2, 3, 4], [7, 8], [7, 8], [1, 2, 3, 4]], 4),
+    ("one request repeated, room for all", [[5, 6, 7]] * 3, 3),
+    ("a cyclic scan", [[1, 2], [3, 4], [5, 6], [1, 2], [3, 4], [5, 6]], 4),
+    ("nothing shared", [[1], [2], [3]], 1),
+] + [(f"random trace {s}", *_random_trace(s)) for s in range(8)]
+
+
+def check_belady_hits(belady_hits: Callable[[list[list[int]], int], int]) -> None:
+    """Exercise 5.4: the most tokens any cache of ``capacity`` tokens could reuse on a trace
+    (token-level Belady: evict the token used again furthest in the future, deeper first)."""
+    for name, trace, capacity in BELADY_TRACES:
+        expected = _belady_hits(trace, capacity)
+        got = belady_hits([list(r) for r in trace], capacity)
+        ok = not isinstance(got, bool)
+        try:
+            ok = ok and operator.index(got) == expected
+        except TypeError:
+            ok = False
+        expect(ok, f"belady_hits({trace}, capacity={capacity}) ({name}) returned {got!r}, "
+                   f"expected {expected} reused tokens. After each request, while more than "
+                   "capacity tokens are cached, drop the token whose next use is furthest away "
+                   "(never = furthest), breaking ties toward the deeper token.")
+    hot = BELADY_TRACES[0]
+    passed("5.4", f"{len(BELADY_TRACES)} traces; on the chapter's hot-prefix trace the optimum "
+                  f"reuses {_belady_hits(hot[1], hot[2])} tokens")
