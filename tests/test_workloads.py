@@ -129,3 +129,36 @@ def test_sizes_are_checked(tok, bad):
 def test_summary_line(tok):
     w = wl.no_sharing(tok, num_requests=3)
     assert w.summary().startswith("no_sharing: 3 requests") and "best hit rate 0.000" in w.summary()
+
+
+def replay(requests, page_size=1):
+    """Match then insert every request (fresh slots for the gap) in an unbounded RadixCache."""
+    from minirt.cache import RadixCache
+
+    cache, slots = RadixCache(page_size=page_size), 0
+    for r in requests:
+        m = cache.match_prefix(r)
+        n = len(r) - len(r) % page_size
+        fresh = list(range(slots, slots + n - m.cached_len))
+        slots += len(fresh)
+        cache.insert_prefix(r[:n], m.indices.tolist() + fresh)
+    return cache
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=10), min_size=1, max_size=10))
+def test_the_bound_and_the_radix_count_are_what_a_radix_cache_does(requests):
+    cache = replay(requests)
+    trie, radix = wl.prefix_node_counts(requests)
+    assert cache.num_nodes == radix and cache.total_size == trie
+    hits = cache.stats.hit_tokens
+    assert sum(len(r) for r in requests) - hits == wl.unique_prefix_count(requests)
+
+
+def test_real_workloads_reach_their_bound_with_an_unbounded_cache(tok):
+    for w in wl.standard_workloads(tok).values():
+        cache = replay(w.requests)
+        assert cache.stats.hit_rate == pytest.approx(w.best_hit_rate)
+        assert cache.num_nodes == wl.prefix_node_counts(w.requests)[1]
+        paged = replay(w.requests, page_size=16)
+        assert paged.stats.hit_rate <= w.best_hit_rate
