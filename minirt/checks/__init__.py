@@ -6,5 +6,6 @@ input was tried, what was expected and what came back. One module per chapter.
 
 from ._common import passed  # noqa: F401
 from .ch00 import *  # noqa: F401,F403
+from .ch01 import *  # noqa: F401,F403
 from .ch02 import *  # noqa: F401,F403
 from .ch05 import *  # noqa: F401,F403
