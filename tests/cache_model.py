@@ -166,23 +166,25 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ---- rules
 
-    @rule(ids=tokens)
-    def match(self, ids):
+    @rule(ids=tokens, priority=st.integers(0, 2))
+    def match(self, ids, priority):
         expected_len, expected_idx = self.expected_match(ids)
-        result = self.cache.match_prefix(ids)
+        result = self.cache.match_prefix(ids, priority=priority)
         assert result.cached_len == expected_len == result.handle.cached_len
         assert result.indices.tolist() == expected_idx
         self.remember(result.handle, ids)
 
-    @rule(ids=tokens, data=st.data())
-    def insert(self, ids, data):
+    @rule(ids=tokens, data=st.data(), priority=st.integers(0, 2))
+    def insert(self, ids, data, priority):
         own_len, _ = self.expected_match(ids)
         slots = list(range(self.next_slot, self.next_slot + len(ids)))
         self.next_slot += len(ids)
         # sometimes the caller already holds the cached prefix's slots (after a match)
         if data.draw(st.booleans()):
             slots[:own_len] = self.expected_match(ids)[1]
-        result = self.cache.insert_prefix(ids, torch.tensor(slots, dtype=torch.int64))
+        result = self.cache.insert_prefix(
+            ids, torch.tensor(slots, dtype=torch.int64), priority=priority
+        )
         n = len(ids) - len(ids) % self.page_size
         assert result.cached_len == own_len
         assert result.handle.cached_len == n

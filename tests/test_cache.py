@@ -131,9 +131,10 @@ def test_inputs_are_converted_and_copied():
     cache.insert_prefix(ids, idx)
     node = cache.root.children[5]
     assert node.key.dtype == torch.int64 and node.value.dtype == torch.int64
-    own = torch.tensor([8, 9], dtype=torch.int64)
-    cache.insert_prefix(torch.tensor([5, 6, 7, 8, 9]), torch.cat([idx.long(), own]))
-    own[0] = 123  # the caller's tensor changes later: the tree keeps its own copy
+    ids = torch.tensor([5, 6, 7, 8, 9])
+    own = torch.tensor([1, 2, 3, 8, 9], dtype=torch.int64)
+    cache.insert_prefix(ids, own)
+    own[3], ids[3] = 123, 0  # the caller's tensors change later: the tree keeps its own copy
     assert cache.match_prefix((5, 6, 7, 8, 9)).indices.tolist() == [1, 2, 3, 8, 9]
     import numpy as np
 
@@ -205,6 +206,18 @@ def test_hit_statistics():
     assert cache.stats.hit_rate == pytest.approx(0.6)
     cache.reset_stats()
     assert cache.stats.hit_rate == 0.0 and cache.total_size == 4
+
+
+def test_a_node_keeps_the_highest_priority_that_used_it():
+    cache = RadixCache(policy="priority")
+    cache.insert_prefix([1, 2, 3], [0, 1, 2], priority=1)
+    node = cache.root.children[1]
+    cache.match_prefix([1, 2, 3], priority=2)
+    cache.match_prefix([1, 2, 3], priority=0)
+    cache.insert_prefix([1, 2, 3], [0, 1, 2], priority=0)
+    assert node.priority == 2
+    cache.match_prefix([1, 2], priority=3)  # splits: only the matched half is raised
+    assert node.priority == 2 and cache.root.children[1].priority == 3
 
 
 def test_last_access_is_a_logical_clock():
