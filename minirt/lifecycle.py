@@ -490,16 +490,25 @@ def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]
 
 
 def state_snapshot(lc: Lifecycle) -> tuple:
-    """Everything observable about pool, tree and requests, as nested tuples (for ==)."""
-    def tree(node: RadixNode) -> tuple:
-        kids = tuple(tree(node.children[k]) for k in sorted(node.children))
-        return (tuple(node.key.tolist()), tuple(node.value.tolist()), node.ref_count, kids)
+    """Everything observable about pool, tree and requests, as nested tuples (for ==).
 
+    The tree is recorded token by token (prefix -> slot, ref_count), so a ``split_at``
+    done by a match, which moves metadata only, does not count as a change.
+    """
+    tokens = []
+    stack = [(lc.cache.root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        keys = node.key.tolist()
+        for i, slot in enumerate(node.value.tolist()):
+            tokens.append((prefix + tuple(keys[:i + 1]), slot, node.ref_count))
+        path = prefix + tuple(keys)
+        stack.extend((c, path) for c in node.children.values())
     reqs = tuple(
         (r.rid, r.state, r.cached_len, r.kv_len, tuple(r.output), tuple(r.page_table.tolist()),
-         tuple(r.private.tolist()), None if r.handle is None else id(r.handle.node))
+         tuple(r.private.tolist()), None if r.handle is None else r.handle.cached_len)
         for r in lc.requests.values())
-    return (lc.pool.snapshot(), tree(lc.cache.root), lc.cache.evictable_size,
+    return (lc.pool.snapshot(), tuple(sorted(tokens)), lc.cache.evictable_size,
             lc.cache.protected_size, reqs)
 
 
