@@ -466,15 +466,16 @@ def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]
         require(r.cached_len == tree_slots.numel() == r.handle.cached_len,
                 f"{r.rid}: cached_len {r.cached_len} != its handle's prefix {tree_slots.numel()}")
         table = r.page_table.slots
+        if table.numel():
+            freed = table[pool.is_free(table)]
+            require(freed.numel() == 0, f"{r.rid}'s page table points at free slots "
+                    f"{freed[:8].tolist()} (use after free)")
         require(torch.equal(table[:r.cached_len], tree_slots),
                 f"{r.rid}: page table does not start with its handle's tree slots")
         mine = table[r.cached_len:]
         require(mine.numel() <= r.private.numel()
                 and torch.equal(mine, r.private[:mine.numel()]),
                 f"{r.rid}: page table beyond the cached prefix is not its private slots")
-        if table.numel():
-            require(not bool(pool.is_free(table).any()),
-                    f"{r.rid}'s page table points at a free slot (use after free)")
         for n in path:
             expected_refs[id(n)] = expected_refs.get(id(n), 0) + 1
     for n in _nodes(cache):
