@@ -1,0 +1,585 @@
+"""A small serving engine: prefix-cached prefill and batched decode on a real model.
+
+``Engine.generate(requests)`` runs the chapter-04 lifecycle for a whole batch of
+requests, step by step, the way mini-sglang's scheduler loop does:
+
+1. *schedule*: waiting requests are admitted first come, first served while the
+   step's token budget (uncached prompt tokens to prefill) and the pool allow;
+2. *admit*: match all but the last prompt token, lock the match, allocate slots
+   for the gap only (evicting unlocked leaves when the free list is short);
+3. *prefill* the uncached tokens through the pool, sample the first output token
+   (that is the time to first token, TTFT), and insert the prompt into the tree
+   so that requests admitted later can share it right away;
+4. *decode*: one forward pass per step for every running request together;
+5. *finish*: insert prompt + output, unlock, free the tail that is not a whole page.
+
+With ``use_cache=False`` the same loop computes every prompt in full and caches
+nothing: the baseline the savings are measured against.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import MatchResult, RadixCache, as_ids
+from .errors import InvalidIdsError, RequestError
+from .eviction import EvictionPolicy
+from .lifecycle import Lifecycle, node_path
+from .lifecycle import Request as LifecycleRequest
+from .pool import KVPool
+from .workloads import unique_prefix_count
+
+__all__ = [
+    "ChatRun",
+    "ChatScript",
+    "Engine",
+    "GenerateResult",
+    "Request",
+    "RequestMetrics",
+    "RequestResult",
+    "Totals",
+    "chat_script",
+    "sample_token",
+    "serve_chat",
+    "summarize",
+]
+
+TokenCallback = Callable[[str, int], None]
+
+
+@dataclass
+class Request:
+    """What a client asks for: a prompt (token ids *or* chat messages) and how to generate.
+
+    ``messages`` go through the tokenizer's chat template (with the assistant prompt
+    appended). ``temperature == 0`` is greedy decoding; otherwise tokens are sampled
+    from the ``top_k`` most likely (0: all) with a generator seeded by ``seed``, so a
+    seeded request gives the same tokens whatever else is in the batch. ``priority``
+    is handed to the cache (the "priority" eviction policy keeps high values longest).
+    ``stop_on_eos``: finish early when the model emits its end-of-sequence token.
+    """
+
+    prompt: Sequence[int] | torch.Tensor | None = None
+    messages: list[dict[str, str]] | None = None
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+    priority: int = 0
+    stop_on_eos: bool = True
+    rid: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request measurements. Times in seconds from the ``generate`` call (arrival).
+
+    ``ttft``: arrival to first output token (queueing + its own prefill);
+    ``prefill_time``: its own prefill forward pass alone; ``latency``: arrival to finish.
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ttft: float
+    prefill_time: float
+    latency: float
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens this request prefilled (not found in the cache)."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class RequestResult:
+    """One request's outcome: its tokens and text, metrics, or the error that rejected it."""
+
+    rid: str
+    request: Request
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "rejected"  # "length", "eos" or "rejected"
+    metrics: RequestMetrics | None = None
+    error: RequestError | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True if the request was served (not rejected)."""
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Workload totals over served requests.
+
+    ``hit_rate`` = cached / prompt tokens. ``unique_bound``: distinct prompt prefixes
+    (chapter 03), the fewest prompt tokens any prefix cache computes when every
+    prompt's K/V comes from prefill.
+    """
+
+    requests: int
+    rejected: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    unique_bound: int
+    evicted_tokens: int = 0
+    wall_time: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def computed_over_bound(self) -> float:
+        """Prefill tokens computed per token of the unique-prefix bound (1.0 is ideal)."""
+        return self.computed_tokens / self.unique_bound if self.unique_bound else 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.requests} requests ({self.rejected} rejected): prompt tokens "
+                f"{self.prompt_tokens}, cached {self.cached_tokens} (hit rate "
+                f"{self.hit_rate:.3f}), computed {self.computed_tokens} vs unique bound "
+                f"{self.unique_bound}, output {self.output_tokens}, evicted "
+                f"{self.evicted_tokens}")
+
+
+def summarize(results: Sequence[RequestResult], evicted_tokens: int = 0,
+              wall_time: float = 0.0) -> Totals:
+    """Totals over ``results`` (any number of ``generate`` calls): tokens, hits, bound."""
+    served = [r for r in results if r.ok]
+    m = [r.metrics for r in served]
+    return Totals(
+        requests=len(results),
+        rejected=len(results) - len(served),
+        prompt_tokens=sum(x.prompt_tokens for x in m),
+        cached_tokens=sum(x.cached_tokens for x in m),
+        computed_tokens=sum(x.computed_tokens for x in m),
+        output_tokens=sum(x.output_tokens for x in m),
+        unique_bound=unique_prefix_count([r.prompt_ids for r in served]),
+        evicted_tokens=evicted_tokens,
+        wall_time=wall_time,
+    )
+
+
+@dataclass
+class GenerateResult:
+    """What ``generate`` returns: one ``RequestResult`` per request (in order) and totals."""
+
+    results: list[RequestResult]
+    totals: Totals
+
+    def __getitem__(self, i: int) -> RequestResult:
+        return self.results[i]
+
+    def __iter__(self) -> Iterator[RequestResult]:
+        return iter(self.results)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        """Output token ids per request ([] for a rejected one)."""
+        return [r.output_ids for r in self.results]
+
+
+def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
+                 generator: torch.Generator | None = None) -> int:
+    """The next token: argmax if ``temperature`` is 0, else a draw from the tempered top-k."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    x = logits.detach().float().cpu() / temperature
+    if 0 < top_k < x.numel():
+        kth = torch.topk(x, top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=generator))
+
+
+class _CountingLifecycle(Lifecycle):
+    """The chapter-04 lifecycle, counting the tokens ``make_room`` evicts."""
+
+    evicted_tokens = 0
+    evictions = 0
+
+    def make_room(self, num_tokens: int) -> torch.Tensor:
+        freed = super().make_room(num_tokens)
+        if freed.numel():
+            self.evictions += 1
+            self.evicted_tokens += int(freed.numel())
+        return freed
+
+
+@dataclass(eq=False)
+class _Job:
+    """A request being served: the client's request, the lifecycle's, and bookkeeping."""
+
+    index: int
+    request: Request
+    lc: LifecycleRequest
+    generator: torch.Generator | None
+    final_slots: int            # slots it holds at most: pages(prompt + max_new - 1)
+    ttft: float = 0.0
+    prefill_time: float = 0.0
+
+
+class Engine:
+    """Serves requests on ``model`` with a KV pool of ``capacity`` tokens and a radix cache.
+
+    ``token_budget`` caps the uncached prompt tokens prefilled in one scheduling step
+    between two decode steps (the first request of a step is always admitted, so a
+    prompt longer than the budget still runs, alone in its step). ``check`` runs the
+    pool/cache integrity check after every step (for tests). The cache persists across
+    ``generate`` calls; ``flush`` empties it.
+    """
+
+    def __init__(self, model, tokenizer=None, capacity: int = 8192, page_size: int = 1,
+                 policy: str | EvictionPolicy = "lru", use_cache: bool = True,
+                 token_budget: int = 2048, check: bool = False) -> None:
+        if isinstance(token_budget, bool) or not isinstance(token_budget, int) \
+                or token_budget < 1:
+            raise RequestError(f"token_budget must be a positive int, got {token_budget!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.pool = KVPool.for_model(model, capacity, page_size)
+        self.cache = RadixCache(page_size=page_size, policy=policy)
+        self.lifecycle = _CountingLifecycle(model, self.pool, self.cache)
+        self.use_cache, self.token_budget, self.check = use_cache, token_budget, check
+        config = model.config.get_text_config(decoder=True)
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.eos_token_id = _eos_id(model, tokenizer)
+        self._next_rid = 0
+
+    # ------------------------------------------------------------ requests
+    def prompt_ids(self, request: Request) -> torch.Tensor:
+        """The request's prompt as token ids (chat messages through the chat template)."""
+        if (request.prompt is None) == (request.messages is None):
+            raise RequestError("a request needs exactly one of `prompt` (token ids) or "
+                               "`messages` (chat)")
+        if request.messages is not None:
+            tok = self.tokenizer
+            if tok is None or not getattr(tok, "chat_template", None):
+                raise RequestError("chat messages need a tokenizer with a chat template; "
+                                   "pass token ids as `prompt` instead")
+            text = tok.apply_chat_template(request.messages, tokenize=False,
+                                           add_generation_prompt=True)
+            return as_ids(tok(text, add_special_tokens=False)["input_ids"])
+        try:
+            return as_ids(request.prompt, "prompt")
+        except InvalidIdsError as exc:
+            raise RequestError(f"bad prompt: {exc}") from exc
+
+    def validate(self, request: Request) -> torch.Tensor:
+        """Check everything about ``request`` that can be checked before it runs.
+
+        Returns its prompt ids; raises RequestError saying what is wrong (empty prompt,
+        token ids outside the vocabulary, ``max_new_tokens`` < 1, bad sampling settings,
+        or a request that could never fit in the pool or the model's context).
+        """
+        if not isinstance(request, Request):
+            raise RequestError(f"expected a minirt.engine.Request, got {type(request).__name__}")
+        ids = self.prompt_ids(request)
+        n = int(ids.numel())
+        if n == 0:
+            raise RequestError("empty prompt: a request needs at least one token")
+        if int(ids.max()) >= self.vocab_size:
+            raise RequestError(f"token id {int(ids.max())} is outside the model's vocabulary "
+                               f"of {self.vocab_size}")
+        m = request.max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise RequestError(f"max_new_tokens must be an int >= 1, got {m!r}")
+        t = request.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0 \
+                or math.isinf(t):
+            raise RequestError(f"temperature must be a finite number >= 0, got {t!r}")
+        for name in ("top_k", "priority"):
+            v = getattr(request, name)
+            if isinstance(v, bool) or not isinstance(v, int) or (name == "top_k" and v < 0):
+                raise RequestError(f"{name} must be an int{' >= 0' * (name == 'top_k')}, "
+                                   f"got {v!r}")
+        if request.seed is not None and (isinstance(request.seed, bool)
+                                         or not isinstance(request.seed, int)):
+            raise RequestError(f"seed must be an int or None, got {request.seed!r}")
+        if self.max_positions and n + m > self.max_positions:
+            raise RequestError(f"prompt ({n}) + max_new_tokens ({m}) exceeds the model's "
+                               f"context of {self.max_positions} positions")
+        ps = self.pool.page_size
+        need = -(-(n + m - 1) // ps) * ps
+        if need > self.pool.capacity:
+            raise RequestError(f"the request needs up to {need} pool slots (prompt {n} + "
+                               f"{m - 1} generated tokens with K/V) but the pool holds only "
+                               f"{self.pool.capacity}")
+        return ids
+
+    def _rid(self, request: Request) -> str:
+        if request.rid is not None:
+            return str(request.rid)
+        self._next_rid += 1
+        return f"q{self._next_rid}"
+
+    # ------------------------------------------------------------ the loop
+    def generate(self, requests: Sequence[Request] | Request, *, progress: bool = True,
+                 on_token: TokenCallback | None = None) -> GenerateResult:
+        """Serve ``requests`` (all arriving now) to completion; results in request order.
+
+        Invalid requests are rejected up front, one by one: their result carries the
+        RequestError (``result.ok`` is False) and the other requests are served exactly
+        as if the bad one had never been sent. ``on_token(rid, token_id)`` is called for
+        every generated token (streaming); ``progress`` shows a tqdm bar.
+        """
+        from tqdm.auto import tqdm
+
+        if isinstance(requests, Request):
+            requests = [requests]
+        start = time.perf_counter()
+        evicted_before = self.lifecycle.evicted_tokens
+        results: list[RequestResult] = []
+        waiting: deque[_Job] = deque()
+        for i, request in enumerate(requests):
+            rid = self._rid(request) if isinstance(request, Request) else f"q-bad{i}"
+            result = RequestResult(rid, request)
+            results.append(result)
+            try:
+                ids = self.validate(request)
+                result.prompt_ids = ids.tolist()
+                lc_req = self.lifecycle.new_request(ids, request.max_new_tokens, rid=rid,
+                                                    eos_token_id=self.eos_token_id
+                                                    if request.stop_on_eos else None)
+            except RequestError as exc:
+                result.error = exc
+                continue
+            generator = None
+            if request.temperature > 0:
+                seed = request.seed if request.seed is not None else random.getrandbits(63)
+                generator = torch.Generator().manual_seed(seed)
+            ps = self.pool.page_size
+            final = -(-(ids.numel() + request.max_new_tokens - 1) // ps) * ps
+            waiting.append(_Job(i, request, lc_req, generator, final))
+
+        running: list[_Job] = []
+        bar = tqdm(total=len(waiting), desc="generate", unit="req", disable=not progress,
+                   leave=False)
+        try:
+            while waiting or running:
+                self._admit_and_prefill(waiting, running, start, on_token)
+                batch = [j for j in running if not j.lc.done]
+                if batch:
+                    logits = self.lifecycle.decode([j.lc for j in batch])
+                    for job, lg in zip(batch, logits, strict=True):
+                        self._take(job, lg, on_token)
+                    self._check()
+                for job in [j for j in running if j.lc.done]:
+                    running.remove(job)
+                    self._finish(job, results[job.index], start)
+                    bar.update(1)
+        finally:
+            bar.close()
+        totals = summarize(results, self.lifecycle.evicted_tokens - evicted_before,
+                           time.perf_counter() - start)
+        return GenerateResult(results, totals)
+
+    def _match(self, job: _Job) -> MatchResult:
+        """Step 1: the cached prefix of all but the last prompt token.
+
+        The last token is always computed: its logits are what the first output token
+        is sampled from, and a cache holds K/V, not logits.
+        """
+        req = job.lc
+        req.match = self.cache.match_prefix(req.prompt[:-1], priority=job.request.priority)
+        return req.match
+
+    def _fits(self, job: _Job, match: MatchResult, running: Sequence[_Job]) -> bool:
+        """Can the pool hold this request to its last token, next to what runs already?
+
+        Every running request keeps a reservation for the slots its remaining decode
+        steps may need, so decoding never runs out of memory mid-flight. Locking the
+        match turns its currently evictable part into protected, so that part counts too.
+        """
+        reserved = sum(j.final_slots - (j.lc.cached_len + int(j.lc.private.numel()))
+                       for j in running)
+        pinned = sum(n.length for n in node_path(match.handle.node) if n.ref_count == 0)
+        need = job.final_slots - match.cached_len
+        return need + pinned <= self.pool.num_free + self.cache.evictable_size - reserved
+
+    def _admit_and_prefill(self, waiting: deque[_Job], running: list[_Job], start: float,
+                           on_token: TokenCallback | None) -> None:
+        """Steps 2-3: admit FCFS within the token budget and memory, prefill each admitted."""
+        budget, admitted = self.token_budget, 0
+        while waiting:
+            job = waiting[0]
+            match = self._match(job)
+            uncached = job.lc.prompt.numel() - match.cached_len
+            if admitted and uncached > budget:
+                break  # FCFS: the head waits for the next step; nobody overtakes it
+            if not self._fits(job, match, running):
+                if not running:  # pragma: no cover - validate() makes this impossible
+                    raise RequestError(f"{job.lc.rid} cannot fit in an idle pool")
+                break
+            waiting.popleft()
+            budget, admitted = budget - uncached, admitted + 1
+            self.lifecycle.admit(job.lc)  # lock + allocate the gap (evicting if short)
+            t = time.perf_counter()
+            logits = self.lifecycle.prefill(job.lc)
+            self._take(job, logits, on_token)
+            job.prefill_time = time.perf_counter() - t
+            job.ttft = time.perf_counter() - start
+            if self.use_cache:
+                handle = self.lifecycle.insert_running(job.lc)
+                for node in node_path(handle.node):  # locked now: safe to re-key
+                    node.priority = max(node.priority, job.request.priority)
+            running.append(job)
+            self._check()
+            if budget <= 0:
+                break
+
+    def _take(self, job: _Job, logits: torch.Tensor, on_token: TokenCallback | None) -> None:
+        """Sample the next token from ``logits`` and append it (replacing the lifecycle's)."""
+        r = job.request
+        tok = sample_token(logits, r.temperature, r.top_k, job.generator)
+        job.lc.output[-1] = tok  # prefill/decode appended their argmax: ours replaces it
+        if on_token is not None:
+            on_token(job.lc.rid, tok)
+
+    def _finish(self, job: _Job, result: RequestResult, start: float) -> None:
+        """Step 5: cache prompt + output and unlock (or, without the cache, just free)."""
+        req = job.lc
+        if self.use_cache:
+            self.lifecycle.finish(req)
+        else:
+            self.lifecycle.abort(req)
+        self.lifecycle.requests.pop(req.rid, None)
+        self._check()
+        result.output_ids = list(req.output)
+        eos = req.eos_token_id is not None and req.output[-1] == req.eos_token_id
+        result.finish_reason = "eos" if eos else "length"
+        if self.tokenizer is not None:
+            result.text = self.tokenizer.decode(req.output, skip_special_tokens=True)
+        result.metrics = RequestMetrics(
+            prompt_tokens=int(req.prompt.numel()), cached_tokens=req.reused_len,
+            output_tokens=len(req.output), ttft=job.ttft, prefill_time=job.prefill_time,
+            latency=time.perf_counter() - start)
+
+    def _check(self) -> None:
+        if self.check:
+            self.lifecycle.check_integrity()
+
+    # ------------------------------------------------------------ housekeeping
+    def flush(self) -> int:
+        """Evict every unlocked cached token back to the free list; returns how many."""
+        n = self.cache.evictable_size
+        if n:
+            self.pool.free(self.cache.evict(n))
+        return n
+
+    @property
+    def evicted_tokens(self) -> int:
+        """Tokens evicted to make room since the engine was created."""
+        return self.lifecycle.evicted_tokens
+
+    def __repr__(self) -> str:
+        return (f"Engine(capacity={self.pool.capacity}, page_size={self.pool.page_size}, "
+                f"policy={self.cache.policy.name}, use_cache={self.use_cache}, "
+                f"token_budget={self.token_budget}, cached={self.cache.total_size})")
+
+
+def _eos_id(model, tokenizer) -> int | None:
+    """The end-of-sequence token: the tokenizer's, else the model's generation config's."""
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is None:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return None if eos is None else int(eos)
+
+
+# ---------------------------------------------------------------- multi-turn chat
+
+
+@dataclass(frozen=True)
+class ChatScript:
+    """What the users of a multi-turn chat workload will say: a shared system prompt and,
+    per conversation, one user message per turn (the assistant's answers come later,
+    from the model)."""
+
+    system: str
+    users: list[list[str]]
+
+    @property
+    def turns(self) -> int:
+        return min(len(u) for u in self.users) if self.users else 0
+
+
+def chat_script(tokenizer, num_conversations: int = 8, turns: int = 4,
+                system_tokens: int = 500, seed: int = 0) -> ChatScript:
+    """Support-desk conversations with chapter 03's system prompt and user phrases.
+
+    Unlike ``workloads.multi_turn_chat`` (canned replies), the answers are left to the
+    model: ``serve_chat`` sends turn k+1 only after turn k's answer is known.
+    """
+    from . import workloads as w
+
+    if min(num_conversations, turns, system_tokens) < 1:
+        raise RequestError("num_conversations, turns and system_tokens must be >= 1")
+    rng = random.Random(f"engine-chat-{seed}")
+    system = w._system_prompt(tokenizer, rng, system_tokens)
+    users = []
+    for _ in range(num_conversations):
+        product = rng.choice(w._PRODUCTS)
+        fill = {"product": product, "a_product": w._a(product), "problem": rng.choice(w._PROBLEMS),
+                "day": rng.choice(w._DAYS), "name": rng.choice(w._NAMES),
+                "order": f"NW-{rng.randrange(10000, 99999)}"}
+        follow = rng.sample(w._FOLLOW_UPS, k=min(turns - 1, len(w._FOLLOW_UPS)))
+        follow += [rng.choice(w._FOLLOW_UPS) for _ in range(turns - 1 - len(follow))]
+        users.append([m.format(**fill) for m in [rng.choice(w._OPENERS), *follow]])
+    return ChatScript(system, users)
+
+
+@dataclass
+class ChatRun:
+    """A served chat workload: one ``GenerateResult`` per turn and every conversation's
+    final message list (system, then user/assistant pairs)."""
+
+    turns: list[GenerateResult]
+    conversations: list[list[dict[str, str]]]
+
+    @property
+    def results(self) -> list[RequestResult]:
+        """Every request, turn by turn (turn 1 of each conversation first)."""
+        return [r for turn in self.turns for r in turn]
+
+    def totals(self) -> Totals:
+        """Totals over all turns (the bound over every prompt of the workload)."""
+        return summarize(self.results, sum(t.totals.evicted_tokens for t in self.turns),
+                         sum(t.totals.wall_time for t in self.turns))
+
+
+def serve_chat(engine: Engine, script: ChatScript, max_new_tokens: int = 16,
+               progress: bool = True) -> ChatRun:
+    """Serve ``script`` turn by turn: each turn's prompt is the conversation so far.
+
+    Turn k of every conversation is one ``generate`` call; the answers (text) join the
+    histories before turn k+1 is sent, exactly as a chat client resends its history.
+    """
+    from tqdm.auto import tqdm
+
+    histories = [[{"role": "system", "content": script.system}] for _ in script.users]
+    turns = []
+    for t in tqdm(range(script.turns), desc="turns", disable=not progress, leave=False):
+        for history, users in zip(histories, script.users, strict=True):
+            history.append({"role": "user", "content": users[t]})
+        reqs = [Request(messages=[dict(m) for m in h], max_new_tokens=max_new_tokens)
+                for h in histories]
+        result = engine.generate(reqs, progress=False)
+        for history, r in zip(histories, result, strict=True):
+            history.append({"role": "assistant", "content": r.text})
+        turns.append(result)
+    return ChatRun(turns, histories)

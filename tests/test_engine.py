@@ -1,0 +1,293 @@
+"""The serving engine on tiny_model: cache on == cache off == plain greedy, with evictions;
+integrity after every step; FCFS within the token budget; bad requests rejected alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minirt.engine import (
+    ChatScript,
+    Engine,
+    Request,
+    sample_token,
+    serve_chat,
+    summarize,
+)
+from minirt.errors import RequestError
+from minirt.lifecycle import greedy_reference
+from minirt.model import tiny_model
+from minirt.workloads import unique_prefix_count
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls run far faster on one thread than on two fighting over a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # float64: greedy ties that rounding could flip are out of reach, so equality is exact.
+    return tiny_model(0).to(torch.float64)
+
+
+def reqs(prompts, n=3, **kw):
+    return [Request(prompt=p, max_new_tokens=n, stop_on_eos=False, **kw) for p in prompts]
+
+
+@st.composite
+def workloads(draw):
+    """Prompts that share prefixes: branches off a few stems, some repeated or extended."""
+    stems = draw(st.lists(st.lists(st.integers(0, 127), min_size=1, max_size=10),
+                          min_size=1, max_size=3))
+    prompts = []
+    for _ in range(draw(st.integers(1, 6))):
+        stem = draw(st.sampled_from(stems))
+        tail = draw(st.lists(st.integers(0, 127), max_size=6))
+        prompts.append(stem + tail if stem + tail else [1])
+    max_new = draw(st.lists(st.integers(1, 4), min_size=len(prompts), max_size=len(prompts)))
+    page_size = draw(st.sampled_from([1, 2, 4]))
+    need = max(-(-(len(p) + m - 1) // page_size) * page_size
+               for p, m in zip(prompts, max_new, strict=True))
+    capacity = draw(st.integers(need, need + 48)) // page_size * page_size
+    capacity = max(capacity, need)
+    budget = draw(st.integers(1, 40))
+    return prompts, max_new, page_size, capacity, budget
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_cache_on_equals_cache_off_equals_greedy(model, workload):
+    """Any workload, any pool size (evictions included), any page size: identical tokens."""
+    prompts, max_new, page_size, capacity, budget = workload
+    batch = [Request(prompt=p, max_new_tokens=m, stop_on_eos=False)
+             for p, m in zip(prompts, max_new, strict=True)]
+    outs = {}
+    for use_cache in (True, False):
+        engine = Engine(model, capacity=capacity, page_size=page_size, use_cache=use_cache,
+                        token_budget=budget, check=True)  # integrity after every step
+        # Two rounds: the second meets a cache the first left behind (and may evict it).
+        outs[use_cache] = [engine.generate(batch, progress=False) for _ in range(2)]
+        engine.lifecycle.check_integrity()
+        assert engine.pool.num_free + engine.cache.evictable_size == capacity  # nothing held
+    on, off = outs[True], outs[False]
+    for r_on, r_off in zip(on, off, strict=True):
+        assert r_on.outputs == r_off.outputs
+        assert r_off.totals.cached_tokens == 0
+    expected = [greedy_reference(model, p, m) for p, m in zip(prompts, max_new, strict=True)]
+    assert on[0].outputs == expected == on[1].outputs
+    for t in (on[0].totals, on[1].totals):
+        assert t.cached_tokens + t.computed_tokens == t.prompt_tokens == sum(map(len, prompts))
+
+
+def test_large_pool_computes_the_unique_bound(model):
+    """Distinct prompts, none a prefix of another: a cache that never evicts computes each
+    distinct prefix once, so computed tokens == the bound; without cache, every token."""
+    stem = list(range(10, 30))
+    prompts = [stem + [40 + i, 50 + i] for i in range(4)] + [[7, 8, 9]]
+    bound = unique_prefix_count(prompts)
+    on = Engine(model, capacity=256).generate(reqs(prompts), progress=False).totals
+    off = Engine(model, capacity=256, use_cache=False).generate(reqs(prompts),
+                                                                  progress=False).totals
+    assert on.computed_tokens == on.unique_bound == bound == 20 + 4 * 2 + 3
+    assert on.cached_tokens == 3 * 20 and on.hit_rate == pytest.approx(60 / 91)
+    assert off.computed_tokens == off.prompt_tokens == 91 and off.evicted_tokens == 0
+
+
+def test_last_prompt_token_is_always_computed(model):
+    """Sending the same prompt twice: all but its last token hit; the last one is computed."""
+    p = list(range(1, 13))
+    engine = Engine(model, capacity=64)
+    first = engine.generate(reqs([p], n=2), progress=False)[0]
+    again = engine.generate(reqs([p], n=2), progress=False)[0]
+    assert first.metrics.cached_tokens == 0 and again.metrics.cached_tokens == len(p) - 1
+    assert again.metrics.computed_tokens == 1 and again.output_ids == first.output_ids
+
+
+def test_small_pool_evicts_and_still_matches(model):
+    prompts = [[i] * 6 + list(range(20, 30)) for i in range(1, 7)]
+    engine = Engine(model, capacity=24, check=True)
+    res = engine.generate(reqs(prompts, n=4), progress=False)
+    assert res.totals.evicted_tokens > 0 and engine.evicted_tokens == res.totals.evicted_tokens
+    assert res.outputs == [greedy_reference(model, p, 4) for p in prompts]
+
+
+def test_fcfs_within_token_budget(model):
+    """A budget of 8 admits one 10-token prompt per step: the others wait, in order, while
+    the running request decodes; first tokens come out in arrival order."""
+    prompts = [list(range(i * 10, i * 10 + 10)) for i in range(3)]
+    events = []
+    engine = Engine(model, capacity=128, token_budget=8)
+    res = engine.generate(reqs(prompts, n=3), progress=False,
+                          on_token=lambda rid, tok: events.append(rid))
+    rids = [r.rid for r in res]
+    firsts = [events.index(rid) for rid in rids]
+    assert firsts == sorted(firsts)
+    # Between request 0's first token and request 1's, request 0 decoded one token.
+    assert events[: firsts[1]] == [rids[0], rids[0]]
+    ttfts = [r.metrics.ttft for r in res]
+    assert ttfts == sorted(ttfts)
+    big = Engine(model, capacity=128, token_budget=100)
+    events.clear()
+    big.generate(reqs(prompts, n=3), progress=False, on_token=lambda rid, tok: events.append(rid))
+    assert len(set(events[:3])) == 3  # all three prefilled before the first decode step
+
+
+def test_streaming_callback_sees_every_token_in_order(model):
+    prompts = [[3, 4, 5], [3, 4, 6, 7]]
+    seen: dict[str, list[int]] = {}
+    res = Engine(model, capacity=64).generate(
+        reqs(prompts, n=5), progress=False,
+        on_token=lambda rid, tok: seen.setdefault(rid, []).append(tok))
+    assert {r.rid: r.output_ids for r in res} == seen
+
+
+def test_memory_wait_no_oom_mid_decode(model):
+    """Each request needs 12 of 16 slots: only one fits at a time, the rest wait."""
+    prompts = [[i, i + 1, i + 2] for i in range(1, 30, 7)]
+    engine = Engine(model, capacity=16, check=True)
+    res = engine.generate(reqs(prompts, n=10), progress=False)
+    assert res.outputs == [greedy_reference(model, p, 10) for p in prompts]
+
+
+def test_eos_stops_early(model):
+    p = [5, 6, 7, 8]
+    greedy = greedy_reference(model, p, 6)
+    engine = Engine(model, capacity=64)
+    engine.eos_token_id = greedy[2]
+    r = engine.generate([Request(prompt=p, max_new_tokens=6)], progress=False)[0]
+    cut = greedy.index(greedy[2]) + 1
+    assert r.output_ids == greedy[:cut] and r.finish_reason == "eos"
+    r2 = engine.generate([Request(prompt=p, max_new_tokens=6, stop_on_eos=False)],
+                         progress=False)[0]
+    assert r2.output_ids == greedy and r2.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(model):
+    p = [9, 8, 7, 6]
+    alone = Engine(model, capacity=64).generate(
+        reqs([p], n=8, temperature=1.5, top_k=20, seed=11), progress=False)[0]
+    mixed = Engine(model, capacity=64, use_cache=False).generate(
+        reqs([[1, 2], p, [3]], n=8, temperature=1.5, top_k=20, seed=11), progress=False)[1]
+    other = Engine(model, capacity=64).generate(
+        reqs([p], n=8, temperature=1.5, top_k=20, seed=12), progress=False)[0]
+    assert alone.output_ids == mixed.output_ids
+    assert other.output_ids != alone.output_ids
+    assert alone.output_ids != greedy_reference(model, p, 8)
+
+
+def test_sample_token_top_k_and_greedy():
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
+    assert sample_token(logits) == 1
+    g = torch.Generator().manual_seed(0)
+    draws = {sample_token(logits, 1.0, 2, g) for _ in range(200)}
+    assert draws == {1, 2}
+
+
+BAD = [
+    (Request(prompt=[], max_new_tokens=2), "empty prompt"),
+    (Request(prompt=[1, 2], max_new_tokens=0), "max_new_tokens"),
+    (Request(prompt=[1, 2], max_new_tokens=-3), "max_new_tokens"),
+    (Request(prompt=list(range(100)), max_new_tokens=2), "pool holds only 40"),
+    (Request(prompt=[1, 2], max_new_tokens=40), "pool holds only 40"),
+    (Request(prompt=[1, 999]), "outside the model's vocabulary"),
+    (Request(prompt=[1, -2]), "non-negative"),
+    (Request(prompt=[1.5, 2.0]), "integer"),
+    (Request(prompt=[[1, 2]]), "1-D"),
+    (Request(), "exactly one of"),
+    (Request(prompt=[1], messages=[{"role": "user", "content": "hi"}]), "exactly one of"),
+    (Request(messages=[{"role": "user", "content": "hi"}]), "chat template"),
+    (Request(prompt=[1], temperature=-1.0), "temperature"),
+    (Request(prompt=[1], top_k=-1), "top_k"),
+    (Request(prompt=[1], seed="x"), "seed"),
+    (Request(prompt=[1], priority=1.5), "priority"),
+]
+
+
+@pytest.mark.parametrize("bad, words", BAD, ids=[w for _, w in BAD])
+def test_bad_request_rejected_alone(model, bad, words):
+    """The bad request gets a clear RequestError; the good ones around it are served
+    exactly as without it, and the pool and cache end as they would have."""
+    good = [[1, 2, 3, 4, 5], [1, 2, 3, 9]]
+    alone = Engine(model, capacity=40, check=True)
+    want = alone.generate(reqs(good, n=3), progress=False)
+    engine = Engine(model, capacity=40, check=True)
+    res = engine.generate([*reqs(good[:1], n=3), bad, *reqs(good[1:], n=3)], progress=False)
+    assert not res[1].ok and isinstance(res[1].error, RequestError)
+    assert words in str(res[1].error) and res[1].output_ids == []
+    assert res[1].finish_reason == "rejected" and res[1].metrics is None
+    assert [res[0].output_ids, res[2].output_ids] == want.outputs
+    assert res.totals.rejected == 1 and res.totals.requests == 3
+    assert res.totals.computed_tokens == want.totals.computed_tokens
+    assert engine.pool.snapshot() == alone.pool.snapshot()
+    assert engine.cache.all_values().tolist() == alone.cache.all_values().tolist()
+    with pytest.raises(RequestError, match=words):
+        engine.validate(bad)
+
+
+def test_not_a_request_and_duplicate_rid(model):
+    engine = Engine(model, capacity=40)
+    res = engine.generate([{"prompt": [1]}, *reqs([[4, 5]], n=1)], progress=False)
+    assert not res[0].ok and "Request" in str(res[0].error) and res[1].ok
+    res = engine.generate([Request(prompt=[1, 2], rid="a"), Request(prompt=[3], rid="a")],
+                          progress=False)
+    assert res[0].ok and not res[1].ok and "already in use" in str(res[1].error)
+    with pytest.raises(RequestError, match="token_budget"):
+        Engine(model, capacity=40, token_budget=0)
+
+
+def test_flush_and_priority_policy(model):
+    engine = Engine(model, capacity=64, policy="priority")
+    engine.generate(reqs([[1, 2, 3, 4, 5, 6]], n=1, priority=5), progress=False)
+    engine.generate(reqs([[9, 8, 7, 6, 5, 4]], n=1), progress=False)
+    # Evict 5 tokens: the priority-0 prompt goes first although it is more recent.
+    engine.pool.free(engine.cache.evict(5))
+    kept = engine.cache.match_prefix([1, 2, 3, 4, 5, 6]).cached_len
+    gone = engine.cache.match_prefix([9, 8, 7, 6, 5, 4]).cached_len
+    assert (kept, gone) == (6, 0)
+    assert engine.flush() == 6 and engine.cache.total_size == 0
+    assert engine.pool.num_free == 64
+
+
+class CharTokenizer:
+    """A character-level stand-in for a chat tokenizer: id = ord(char) (ASCII only)."""
+
+    chat_template = "plain"
+    eos_token_id = None
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_serve_chat_reuses_each_previous_turn(model):
+    """Turn k+1 is sent after turn k's answer and finds turn k's prompt and answer cached."""
+    script = ChatScript("sys!", [["hi", "more", "bye"], ["yo", "again", "ok"]])
+    engine = Engine(model, CharTokenizer(), capacity=512, check=True)
+    run = serve_chat(engine, script, max_new_tokens=4, progress=False)
+    assert len(run.turns) == 3 and all(len(t) == 2 for t in run.turns)
+    for c in range(2):
+        for k in range(1, 3):
+            prev, cur = run.turns[k - 1][c], run.turns[k][c]
+            assert cur.prompt_ids[: len(prev.prompt_ids)] == prev.prompt_ids
+            # Everything with K/V from the last turn (prompt + output but its last) is reused.
+            assert cur.metrics.cached_tokens >= len(prev.prompt_ids) + len(prev.output_ids) - 1
+    assert run.conversations[0][-1] == {"role": "assistant", "content": run.turns[2][0].text}
+    off = serve_chat(Engine(model, CharTokenizer(), capacity=512, use_cache=False), script,
+                     max_new_tokens=4, progress=False)
+    assert [r.output_ids for r in off.results] == [r.output_ids for r in run.results]
+    total = run.totals()
+    assert total.requests == 6 and total.computed_tokens == summarize(run.results).computed_tokens
+    assert total.unique_bound == unique_prefix_count([r.prompt_ids for r in run.results])
