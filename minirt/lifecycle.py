@@ -151,6 +151,10 @@ class Lifecycle:
         ids = as_ids(prompt, "prompt")
         if ids.numel() == 0:
             raise RequestError("a request needs at least one prompt token")
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab is not None and int(ids.max()) >= vocab:
+            raise RequestError(f"token id {int(ids.max())} is outside the model's vocabulary "
+                               f"of {vocab}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
                 or max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -436,9 +440,11 @@ def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]
     reqs = [r for r in requests if r.state in ("locked", "running")]
     private = sum(int(r.private.numel()) for r in reqs)
     free, ev, pr = pool.num_free, cache.evictable_size, cache.protected_size
-    require(free + ev + pr + private == pool.capacity,
-            f"free {free} + evictable {ev} + protected {pr} + private {private} != capacity "
-            f"{pool.capacity}")
+    total = free + ev + pr + private
+    require(total == pool.capacity,
+            f"free {free} + evictable {ev} + protected {pr} + private {private} = {total} "
+            f"!= capacity {pool.capacity}: "
+            + ("some slots are owned twice" if total > pool.capacity else "slots leaked"))
     owner = torch.full((pool.capacity,), -1, dtype=torch.int64)
     names = ["free list", "tree"] + [r.rid for r in reqs]
     for who, slots in enumerate([pool.free_slots(), cache.all_values()]

@@ -241,6 +241,7 @@ def test_unlock_twice_and_stale_handle(model):
         (lambda lc, r: lc.new_request(list(range(9)), 1), RequestError),   # larger than pool
         (lambda lc, r: lc.new_request([1, 2], 8), RequestError),           # with its output
         (lambda lc, r: lc.new_request([], 1), RequestError),
+        (lambda lc, r: lc.new_request([1, 128], 1), RequestError),         # not in vocab
         (lambda lc, r: lc.new_request([1, -2], 1), ValueError),
         (lambda lc, r: lc.new_request([1, 2], 0), RequestError),
         (lambda lc, r: lc.new_request([1, 2], 1, rid="big"), RequestError),  # id in use

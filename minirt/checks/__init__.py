@@ -9,4 +9,5 @@ from .ch00 import *  # noqa: F401,F403
 from .ch01 import *  # noqa: F401,F403
 from .ch02 import *  # noqa: F401,F403
 from .ch03 import *  # noqa: F401,F403
+from .ch04 import *  # noqa: F401,F403
 from .ch05 import *  # noqa: F401,F403
