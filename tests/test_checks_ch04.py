@@ -13,82 +13,70 @@ from minirt.errors import OutOfMemoryError
 # ----------------------------------------------------------------------------- 4.1
 
 
-def lock_path(node):
+def update_path(node, delta):
     moved = 0
     while node is not None:
-        if node.ref_count == 0:
-            moved += node.length
-        node.ref_count += 1
-        node = node.parent
-    return moved
-
-
-def unlock_path(node):
-    moved = 0
-    while node is not None:
-        node.ref_count -= 1
-        if node.ref_count == 0:
+        before = node.ref_count
+        node.ref_count += delta
+        if (before, node.ref_count) in ((0, 1), (1, 0)):
             moved += node.length
         node = node.parent
     return moved
 
 
-def lock_only_the_node(node):
-    node.ref_count += 1
-    return node.length if node.ref_count == 1 else 0
+def only_the_node(node, delta):
+    node.ref_count += delta
+    return node.length if (node.ref_count == 1 and delta > 0) or node.ref_count == 0 else 0
 
 
-def unlock_only_the_node(node):
-    node.ref_count -= 1
-    return node.length if node.ref_count == 0 else 0
-
-
-def lock_stops_at_locked_ancestor(node):
+def stops_at_locked_ancestor(node, delta):
     """'The rest of the path is locked already': forgets that counts must still go up."""
     moved = 0
     while node is not None:
-        was_locked = node.ref_count > 0
-        if not was_locked:
+        before = node.ref_count
+        node.ref_count += delta
+        if (before, node.ref_count) in ((0, 1), (1, 0)):
             moved += node.length
-        node.ref_count += 1
-        if was_locked:
+        elif delta > 0:
             break
         node = node.parent
     return moved
 
 
-def lock_counts_every_increment(node):
+def counts_every_change(node, delta):
     moved = 0
     while node is not None:
+        node.ref_count += delta
         moved += node.length
-        node.ref_count += 1
         node = node.parent
     return moved
 
 
-def unlock_counts_every_decrement(node):
+def skips_the_root(node, delta):
     moved = 0
-    while node is not None:
-        node.ref_count -= 1
-        moved += node.length
+    while node.parent is not None:
+        before = node.ref_count
+        node.ref_count += delta
+        if (before, node.ref_count) in ((0, 1), (1, 0)):
+            moved += node.length
         node = node.parent
     return moved
 
 
 def test_lock_path_accepts_reference(capsys):
-    ch04.check_lock_path(lock_path, unlock_path)
+    ch04.check_lock_path(update_path)
     assert "Exercise 4.1 passed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("lock, unlock, words", [
-    (lock_only_the_node, unlock_only_the_node, "every ancestor"),
-    (lock_stops_at_locked_ancestor, unlock_path, "already locked"),
-    (lock_counts_every_increment, unlock_path, "moves nothing"),
-    (lock_path, unlock_counts_every_decrement, "returned"),
+@pytest.mark.parametrize("mutant, words", [
+    (only_the_node, "every ancestor"),
+    (stops_at_locked_ancestor, "already locked"),
+    (counts_every_change, "moves nothing"),
+    (skips_the_root, "root has ref_count"),
 ])
-def test_lock_path_rejects_mutants(lock, unlock, words):
+def test_lock_path_rejects_mutants(mutant, words):
     with pytest.raises(AssertionError, match=words):
-        ch04.check_lock_path(lock, unlock)
+        ch04.check_lock_path(mutant)
 
 
 # ----------------------------------------------------------------------------- 4.2

@@ -133,11 +133,10 @@ def _node_at(cache: RadixCache, ids: Sequence[int]) -> RadixNode:
     return node
 
 
-def check_lock_path(lock_path: Callable[[RadixNode], int],
-                    unlock_path: Callable[[RadixNode], int]) -> None:
-    """Exercise 4.1: ``lock_path(node)`` / ``unlock_path(node)`` change ``ref_count`` on the
-    node and every ancestor up to and including the root, and return how many tokens moved
-    from evictable to protected (lock) or back (unlock)."""
+def check_lock_path(update_path: Callable[[RadixNode, int], int]) -> None:
+    """Exercise 4.1: ``update_path(node, +1)`` (lock) / ``update_path(node, -1)`` (unlock)
+    change ``ref_count`` on the node and every ancestor up to and including the root, and
+    return how many tokens moved from evictable to protected (lock) or back (unlock)."""
     ops = 0
     for name, inserts, script in LOCK_SCENARIOS:
         mine, ref = _tree(inserts), _tree(inserts)
@@ -148,8 +147,9 @@ def check_lock_path(lock_path: Callable[[RadixNode], int],
             handle = CacheHandle(ref_node, len(_path_tokens(ref_node)))
             (ref.lock if op == "lock" else ref.unlock)(handle)
             expected_moved = abs(ref.protected_size - before)
-            fn = lock_path if op == "lock" else unlock_path
-            got = fn(_node_at(mine, ids))
+            delta = 1 if op == "lock" else -1
+            call = f"update_path(node {ids}, {delta:+d})"
+            got = update_path(_node_at(mine, ids), delta)
             done.append(f"{op}({ids})")
             where = f"in scenario '{name}', after {' -> '.join(done)}"
             for x, y in zip(_nodes(mine), _nodes(ref), strict=True):
@@ -159,7 +159,7 @@ def check_lock_path(lock_path: Callable[[RadixNode], int],
                        "the node AND every ancestor up to the root, even ancestors that are "
                        "already locked.")
             expect(isinstance(got, int) and not isinstance(got, bool) and got == expected_moved,
-                   f"{fn.__name__}(node {ids}) returned {got!r} {where}; expected "
+                   f"{call} returned {got!r} {where}; expected "
                    f"{expected_moved}: the tokens of the nodes whose ref_count went "
                    f"{'0 -> 1' if op == 'lock' else '1 -> 0'} (a node already in use moves "
                    "nothing).")
