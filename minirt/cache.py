@@ -15,7 +15,7 @@ Every token the tree holds is either *evictable* (no request uses it) or *protec
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -183,7 +183,7 @@ class RadixCache:
         """
         ids = as_ids(ids)
         priority = _check_priority(priority)
-        node, cached_len, values = self._descend(ids)
+        node, cached_len, values = self._descend(ids, ids.tolist())
         self._tick += 1
         self._touch(node, priority, hit=True)
         self._queries += 1
@@ -210,7 +210,8 @@ class RadixCache:
         priority = _check_priority(priority)
         n = ids.numel() - ids.numel() % self.page_size
         ids, indices = ids[:n], indices[:n]
-        node, cached_len, values = self._descend(ids)
+        tokens = ids.tolist()
+        node, cached_len, values = self._descend(ids, tokens)
         self._tick += 1
         if cached_len < n:
             leaf = RadixNode(
@@ -218,23 +219,32 @@ class RadixCache:
             )
             leaf.priority = priority
             leaf.parent = node
-            node.children[self.key_fn(leaf.key)] = leaf
+            node.children[self._child_key(tokens, cached_len)] = leaf
             self._evictable += leaf.length
             self._num_nodes += 1
             values.append(leaf.value)
             node = leaf
         self._touch(node, priority, hit=False)
+        if cached_len < n:
+            self._heap.push(node)  # a new evictable leaf
         return InsertResult(cached_len, CacheHandle(node, n), _concat(values))
 
-    def _descend(self, ids: torch.Tensor) -> tuple[RadixNode, int, list[torch.Tensor]]:
+    def _child_key(self, tokens: list[int], pos: int) -> Hashable:
+        """``key_fn(ids[pos:])`` computed on a Python list (no tensor op per tree level)."""
+        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
+
+    def _descend(
+        self, ids: torch.Tensor, tokens: list[int]
+    ) -> tuple[RadixNode, int, list[torch.Tensor]]:
         """Follow ``ids`` down from the root page by page; split where the match stops mid-node.
 
-        Returns the node the match ends at, the matched length and the matched slot runs.
+        ``tokens`` is ``ids.tolist()``. Returns the node the match ends at, the matched
+        length and the matched slot runs.
         """
         node, pos, values = self.root, 0, []
         n, page = ids.numel(), self.page_size
         while n - pos >= page:
-            child = node.children.get(self.key_fn(ids[pos:]))
+            child = node.children.get(self._child_key(tokens, pos))
             if child is None:
                 break
             m = child.get_match_len(ids[pos:])  # >= one page: the first page is the key
@@ -249,17 +259,20 @@ class RadixCache:
         return node, pos, values
 
     def _touch(self, node: RadixNode, priority: int, hit: bool) -> None:
-        """Stamp ``node`` and its ancestors as used at the current tick."""
-        tick = self._tick
-        last = node
+        """Stamp ``node`` and its ancestors as used at the current tick.
+
+        Only ``node`` can be a leaf. If its policy key grew (LRU, LFU, priority) the heap
+        re-files it lazily; if it dropped (a custom policy), it is pushed again now.
+        """
+        last, before, tick = node, self.policy.key(node), self._tick
         while node.parent is not None:
             node.last_access = tick
             node.priority = max(node.priority, priority)
             if hit:
                 node.hit_count += 1
             node = node.parent
-        if is_evictable_leaf(last):
-            self._heap.push(last)  # its policy key changed
+        if is_evictable_leaf(last) and self.policy.key(last) < before:
+            self._heap.push(last)
 
     # ------------------------------------------------------------------ lock and unlock
 
@@ -447,7 +460,11 @@ class RadixCache:
         require(values.unique().numel() == values.numel(), "every slot owned once", root)
         live = self._heap.live_nodes()
         missing = [n for n in self._nodes() if is_evictable_leaf(n) and n.id not in live]
-        require(not missing, f"every evictable leaf is in the heap (missing {missing[:3]})", root)
+        require(
+            not missing,
+            f"every evictable leaf has a heap entry no larger than its key (not {missing[:3]})",
+            root,
+        )
 
     def __repr__(self) -> str:
         return (

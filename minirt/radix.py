@@ -73,6 +73,11 @@ class RadixNode:
     the eviction policies; ``last_access`` and ``created`` are logical clock ticks.
     """
 
+    __slots__ = (
+        "key_fn", "page_size", "key", "value", "children", "parent", "ref_count",
+        "last_access", "hit_count", "created", "priority", "id", "__weakref__",
+    )
+
     def __init__(
         self,
         key_fn: KeyFn,

@@ -21,6 +21,7 @@ from minirt.eviction import (
     belady_hit_rate,
     evict_by_scan,
     make_policy,
+    pack_key,
     simulate,
 )
 
@@ -123,12 +124,23 @@ def test_oom_when_everything_is_locked():
     assert snapshot(cache) == before
 
 
-def test_heap_stays_small_under_many_touches():
-    cache = build("lru")
-    for i in range(5000):
-        cache.match_prefix([1, 2, 10 + i % 6])
-    assert len(cache._heap) <= 2 * cache.num_nodes + 64
-    assert_invariants(cache)
+def test_heap_stays_small_and_rebuilds_keep_every_leaf():
+    """Each unlock files its leaf again; the heap must rebuild without losing a leaf."""
+    twins = []
+    for _ in range(2):
+        cache = RadixCache()
+        handles = [cache.insert_prefix([k, 1], [2 * k, 2 * k + 1]).handle for k in range(100)]
+        for round_ in range(20):
+            for h in handles[round_ % 3 :: 3]:
+                cache.lock(h)
+                cache.unlock(h)
+            cache.match_prefix([round_ * 5, 1])
+            assert len(cache._heap) <= 2 * cache.num_nodes + 64
+        assert_invariants(cache)
+        twins.append(cache)
+    heap_order = [twins[0].evict(1).tolist() for _ in range(100)]
+    scan_order = [evict_by_scan(twins[1], 1).tolist() for _ in range(100)]
+    assert heap_order == scan_order and twins[0].total_size == 0
 
 
 def test_evict_with_pages():
@@ -152,10 +164,19 @@ ops = st.lists(
 )
 
 
+class MostRecentFirst(EvictionPolicy):
+    """A custom policy whose key drops when a node is used (the cache must re-file it)."""
+
+    name = "mru"
+
+    def key(self, node):
+        return (-node.last_access, node.id)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     ops=ops,
-    policy=st.sampled_from(["lru", "lfu", "fifo", "priority"]),
+    policy=st.sampled_from(["lru", "lfu", "fifo", "priority", MostRecentFirst()]),
     page=st.sampled_from([1, 2]),
 )
 def test_heap_evicts_in_the_same_order_as_a_full_scan(ops, policy, page):
@@ -300,12 +321,44 @@ def test_simulate_small_capacity_and_errors():
 
 
 def test_custom_policy():
-    class MostRecentFirst(EvictionPolicy):
-        name = "mru"
-
-        def key(self, node):
-            return (-node.last_access, node.id)
-
     cache = build(MostRecentFirst())
     cache.match_prefix([1, 2, 12])
     assert cache.evict(1).tolist() == [112]
+    assert cache.evict(1).tolist() == [115]  # then the most recently inserted
+
+    class NoId(EvictionPolicy):
+        def key(self, node):
+            return (node.last_access,)
+
+    with pytest.raises(ValueError, match="end with node.id"):
+        RadixCache(policy=NoId()).insert_prefix([1], [0])
+
+
+def test_keys_raised_behind_the_caches_back_are_refiled():
+    """A caller that raises a node's priority directly (no push) still gets policy order."""
+    caches = [build("priority"), build("priority")]
+    for cache in caches:
+        for k in (10, 11, 12):
+            cache.root.children[1].children[k].priority = 5
+        cache.root.children[1].children[14].last_access = 99
+    heap_order = [caches[0].evict(1).tolist() for _ in range(6)]
+    scan_order = [evict_by_scan(caches[1], 1).tolist() for _ in range(6)]
+    assert heap_order == scan_order == [[113], [115], [114], [110], [111], [112]]
+    assert_invariants(caches[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-(2**63), 2**63 - 1), st.integers(0, 2**63 - 1)), min_size=2))
+def test_pack_key_keeps_the_order(keys):
+    packed = [pack_key(k) for k in keys]
+    assert sorted(range(len(keys)), key=lambda i: keys[i]) == sorted(
+        range(len(keys)), key=lambda i: packed[i]
+    )
+    for k, p in zip(keys, packed, strict=True):
+        assert (p & (2**64 - 1)) - 2**63 == k[1]
+
+
+def test_pack_key_rejects_wide_fields():
+    for bad in ((2**63, 1), (-(2**63) - 1, 1), (1.5, 1)):
+        with pytest.raises((ValueError, TypeError)):
+            pack_key(bad)
