@@ -36,6 +36,7 @@ __all__ = [
     "Priority",
     "belady_hit_rate",
     "evict_by_scan",
+    "is_evictable_leaf",
     "make_policy",
     "pack_key",
     "simulate",
