@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -285,6 +285,10 @@ class PagedBatch:
     def q_len(self) -> int:
         return int(self.query_mask.shape[1])
 
+    def to(self, device: torch.device | str) -> PagedBatch:
+        """The same batch with its index tensors on ``device`` (moved once, not per layer)."""
+        return PagedBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
     @property
     def kv_len(self) -> int:
         return int(self.slot_matrix.shape[1])
@@ -393,7 +397,7 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
         "position_ids": batch.position_ids.to(device),
         "attention_mask": batch.key_mask.to(device=device, dtype=torch.int64) if padded else None,
         "use_cache": True,
-        _cache_kwarg(model): PoolCache(pool, batch),
+        _cache_kwarg(model): PoolCache(pool, batch.to(device)),
     }
     if last_only:
         kwargs["logits_to_keep"] = 1
