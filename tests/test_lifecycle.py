@@ -15,6 +15,7 @@ from minirt.lifecycle import (
     LifecycleState,
     check_integrity,
     greedy_reference,
+    lifecycle_stepper,
     pool_map,
     pool_map_text,
     schedule_order,
@@ -312,6 +313,14 @@ def test_states_and_stepper_logic(model):
     assert "digraph" in frames[1].tree_source and "90, 10, 11, 12" in frames[1].tree_source
     assert "[S cached]" in frames[1].text() and "free list [4, 5, 6, 7]" in frames[1].text()
     assert [step_index(0, -1, 2), step_index(0, 1, 2), step_index(1, 1, 2)] == [0, 1, 1]
+    widget = lifecycle_stepper(frames)
+    back, nxt, title = widget.children[0].children
+    assert back.disabled and "1/2: empty" in title.value
+    nxt.click()
+    assert nxt.disabled and not back.disabled and "2/2: S cached" in title.value
+    assert "<svg" in widget.children[3].value and "p0" in widget.children[1].value
+    back.click()
+    assert "1/2" in title.value
 
 
 # ---------------------------------------------------------------- stateful fuzzing
