@@ -28,7 +28,7 @@ class ModelUnavailableError(ModelError):
 
 
 class KVMismatchError(MinirtError, ValueError):
-    """Per-layer K/V that do not fit the model or each other: layers, heads, head_dim, length, dtype."""
+    """Per-layer K/V that do not fit the model or each other (layers, heads, head_dim, dtype)."""
 
 
 class HandleError(MinirtError):
