@@ -49,7 +49,11 @@ def test_cache_dir_follows_environment(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("name", ["no-such-org/no-such-model-xyz", "./no/such/folder"])
 def test_unknown_model_names_raise_a_specific_error(monkeypatch, name):
+    import huggingface_hub.constants
+
+    # HF_HUB_OFFLINE is read when huggingface_hub is imported; set the live flag too.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UnknownModelError, match="Cannot load model"):
         load_model(name)
 
