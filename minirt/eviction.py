@@ -7,8 +7,9 @@ keeps the evictable leaves in a binary heap, so each eviction costs O(log n) rat
 than a walk over the whole tree (``evict_by_scan`` is that walk, kept as the baseline
 chapter 05 measures against).
 
-``belady_hit_rate`` is the offline optimum at token granularity, an upper bound for
-every policy that inserts what it computes; ``simulate`` replays a trace through a
+``belady_hit_rate`` is Belady's offline bound at token granularity: the hit rate of an
+oracle that, after each request, keeps the tokens needed soonest. It bounds every
+policy that inserts what it computes; ``simulate`` replays a trace through a
 ``RadixCache`` of a given capacity to measure a real policy.
 """
 
@@ -152,7 +153,8 @@ class LeafHeap:
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
         self._heap: list[int] = []
-        self._filed: dict[int, RadixNode] = {}  # node id -> node, for nodes with entries
+        # node id -> (node, its latest entry), for nodes with an entry in the heap
+        self._filed: dict[int, tuple[RadixNode, int]] = {}
         self._rebuild_at = 64
 
     def __len__(self) -> int:
@@ -165,9 +167,17 @@ class LeafHeap:
         return packed
 
     def push(self, node: RadixNode) -> None:
-        """File ``node`` under its current policy key."""
-        heapq.heappush(self._heap, self._entry(node))
-        self._filed[node.id] = node
+        """File ``node`` under its current policy key, unless an entry already keeps the promise.
+
+        A leaf unlocked again, say, usually still has its entry from before: a second
+        one would only be dropped later.
+        """
+        entry = self._entry(node)
+        filed = self._filed.get(node.id)
+        if filed is not None and filed[1] <= entry:
+            return
+        heapq.heappush(self._heap, entry)
+        self._filed[node.id] = (node, entry)
         if len(self._heap) > self._rebuild_at:
             self._rebuild()
 
@@ -176,29 +186,35 @@ class LeafHeap:
         heap = self._heap
         while heap:
             entry = heapq.heappop(heap)
-            node = self._filed.pop((entry & _FIELD_MASK) - _OFFSET, None)
-            if node is None or not is_evictable_leaf(node):
+            filed = self._filed.get((entry & _FIELD_MASK) - _OFFSET)
+            if filed is None or filed[1] != entry:
+                continue  # an older entry of a node filed again since: drop it
+            node = filed[0]
+            del self._filed[node.id]
+            if not is_evictable_leaf(node):
                 continue  # evicted, locked, or has children: drop the entry
             current = self._entry(node)
             if entry == current:
                 return node
             heapq.heappush(heap, current)  # used since it was filed: file it again
-            self._filed[node.id] = node
+            self._filed[node.id] = (node, current)
         return None
 
     def live_nodes(self) -> set[int]:
         """Ids of the evictable leaves whose entry keeps the promise (for integrity checks)."""
         live = set()
         for entry in self._heap:
-            node = self._filed.get((entry & _FIELD_MASK) - _OFFSET)
-            if node is not None and is_evictable_leaf(node) and entry <= self._entry(node):
-                live.add(node.id)
+            filed = self._filed.get((entry & _FIELD_MASK) - _OFFSET)
+            if filed is not None and filed[1] == entry and is_evictable_leaf(filed[0]) \
+                    and entry <= self._entry(filed[0]):
+                live.add(filed[0].id)
         return live
 
     def _rebuild(self) -> None:
         """One entry per evictable leaf, under its current key; drop everything else."""
-        self._filed = {i: n for i, n in self._filed.items() if is_evictable_leaf(n)}
-        self._heap = [self._entry(node) for node in self._filed.values()]
+        leaves = [n for n, _ in self._filed.values() if is_evictable_leaf(n)]
+        self._filed = {n.id: (n, self._entry(n)) for n in leaves}
+        self._heap = [entry for _, entry in self._filed.values()]
         heapq.heapify(self._heap)
         self._rebuild_at = max(64, 2 * len(self._heap))
 
@@ -248,15 +264,17 @@ def _check_capacity(trace: list[tuple[int, ...]], capacity: int) -> None:
 
 
 def belady_hit_rate(trace: Iterable[Sequence[int] | torch.Tensor], capacity: int) -> float:
-    """The best token hit rate any cache of ``capacity`` tokens could reach on ``trace``.
+    """Belady's bound: the token hit rate of an oracle keeping ``capacity`` tokens between requests.
 
     Token-level Belady: after serving a request (all its tokens are now computed),
     evict the token whose next use lies furthest in the future, ties broken toward the
     deeper token, until at most ``capacity`` tokens remain. A request that uses a token
     also uses every token before it, so a parent's next use is never later than its
     child's and the victim is always a leaf's last token: the cached set stays a tree.
-    With unit sizes this is optimal among policies that insert what they compute, so it
-    bounds every node-level policy (LRU, LFU, ...) from above. Hit rate = cached tokens
+    With unit sizes this is optimal among policies that decide after each request what
+    to keep, so it bounds every node-level policy (LRU, LFU, ...) from above. A real
+    cache must also hold the whole running request, so it may fall short of the bound
+    even with perfect foresight (chapter 05 shows a trace). Hit rate = cached tokens
     reused / all tokens requested.
     """
     requests = _as_trace(trace)
