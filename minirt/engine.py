@@ -380,6 +380,7 @@ class Engine:
             waiting.append(_Job(i, request, lc_req, generator, final))
 
         running: list[_Job] = []
+        jobs = list(waiting)
         bar = tqdm(total=len(waiting), desc="generate", unit="req", disable=not progress,
                    leave=False)
         try:
@@ -395,6 +396,9 @@ class Engine:
                     running.remove(job)
                     self._finish(job, results[job.index], start)
                     bar.update(1)
+        except BaseException:
+            self._abandon(jobs)  # an interrupt or a failing callback: give everything back
+            raise
         finally:
             bar.close()
         totals = summarize(results, self.lifecycle.evicted_tokens - evicted_before,
@@ -481,6 +485,16 @@ class Engine:
             prompt_tokens=int(req.prompt.numel()), cached_tokens=req.reused_len,
             output_tokens=len(req.output), ttft=job.ttft, prefill_time=job.prefill_time,
             latency=time.perf_counter() - start)
+
+    def _abandon(self, jobs: Sequence[_Job]) -> None:
+        """Drop unfinished jobs without caching them: unlock, free their slots, forget them.
+
+        Leaves the engine as usable as before the call (nothing locked, nothing leaked).
+        """
+        for job in jobs:
+            if job.lc.state in ("locked", "running"):
+                self.lifecycle.abort(job.lc)
+            self.lifecycle.requests.pop(job.lc.rid, None)
 
     def _check(self) -> None:
         if self.check:

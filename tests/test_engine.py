@@ -61,7 +61,7 @@ def workloads(draw):
     return prompts, max_new, page_size, capacity, budget
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_cache_on_equals_cache_off_equals_greedy(model, workload):
     """Any workload, any pool size (evictions included), any page size: identical tokens."""
@@ -291,3 +291,24 @@ def test_serve_chat_reuses_each_previous_turn(model):
     total = run.totals()
     assert total.requests == 6 and total.computed_tokens == summarize(run.results).computed_tokens
     assert total.unique_bound == unique_prefix_count([r.prompt_ids for r in run.results])
+
+
+def test_interrupted_generate_gives_everything_back(model):
+    """A callback that raises mid-flight (like Ctrl-C in a notebook): the error propagates,
+    nothing stays locked or leaked, and the engine serves the next call normally."""
+    prompts = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [9, 9]]
+    engine = Engine(model, capacity=64, check=True)
+    seen = []
+
+    def boom(rid, tok):
+        seen.append(rid)
+        if len(seen) == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(reqs(prompts, n=4), progress=False, on_token=boom)
+    engine.lifecycle.check_integrity()
+    assert engine.cache.protected_size == 0 and engine.lifecycle.requests == {}
+    assert engine.pool.num_free + engine.cache.evictable_size == 64
+    res = engine.generate(reqs(prompts, n=4), progress=False)
+    assert res.outputs == [greedy_reference(model, p, 4) for p in prompts]
