@@ -284,8 +284,12 @@ class Engine:
             if tok is None or not getattr(tok, "chat_template", None):
                 raise RequestError("chat messages need a tokenizer with a chat template; "
                                    "pass token ids as `prompt` instead")
-            text = tok.apply_chat_template(request.messages, tokenize=False,
-                                           add_generation_prompt=True)
+            try:
+                text = tok.apply_chat_template(request.messages, tokenize=False,
+                                               add_generation_prompt=True)
+            except Exception as exc:  # malformed messages: the template says why
+                raise RequestError(f"cannot apply the chat template to these messages: "
+                                   f"{type(exc).__name__}: {exc}") from exc
             return as_ids(tok(text, add_special_tokens=False)["input_ids"])
         try:
             return as_ids(request.prompt, "prompt")

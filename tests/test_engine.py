@@ -285,6 +285,10 @@ def test_serve_chat_reuses_each_previous_turn(model):
             # Everything with K/V from the last turn (prompt + output but its last) is reused.
             assert cur.metrics.cached_tokens >= len(prev.prompt_ids) + len(prev.output_ids) - 1
     assert run.conversations[0][-1] == {"role": "assistant", "content": run.turns[2][0].text}
+    bad = engine.generate([Request(messages=[{"content": "no role"}]),
+                           Request(messages=[{"role": "user", "content": "ok"}],
+                                   max_new_tokens=2)], progress=False)
+    assert not bad[0].ok and "chat template" in str(bad[0].error) and bad[1].ok
     off = serve_chat(Engine(model, CharTokenizer(), capacity=512, use_cache=False), script,
                      max_new_tokens=4, progress=False)
     assert [r.output_ids for r in off.results] == [r.output_ids for r in run.results]
