@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import expect, passed
+from ._common import call_reader, expect, passed
 
 __all__ = [
     "ToyModel",
@@ -52,14 +52,6 @@ def toy_model(seed: int = 0, vocab: int = 16, dim: int = 8, num_layers: int = 3)
     return ToyModel(emb, [(weight(), weight(), weight()) for _ in range(num_layers)])
 
 
-def _call(fn: Callable, label: str, *args):
-    """Run the reader's function; turn any exception into an AssertionError naming the input."""
-    try:
-        return fn(*args)
-    except Exception as exc:  # noqa: BLE001 - the reader's code may raise anything
-        raise AssertionError(f"{label} raised {type(exc).__name__}: {exc}") from exc
-
-
 # ---- Exercise 1.1: the causal mask ------------------------------------------------------
 
 def _causal_mask(n: int) -> torch.Tensor:
@@ -69,7 +61,7 @@ def _causal_mask(n: int) -> torch.Tensor:
 def check_causal_mask(causal_mask: Callable[[int], torch.Tensor]) -> None:
     """Exercise 1.1: ``causal_mask(n)``, a bool [n, n] tensor, True where query i may see key j."""
     for n in (1, 2, 3, 5, 8):
-        got = _call(causal_mask, f"causal_mask({n})", n)
+        got = call_reader(f"causal_mask({n})", causal_mask, n)
         expect(isinstance(got, torch.Tensor),
                f"causal_mask({n}) returned {type(got).__name__}, expected a torch.Tensor")
         expect(tuple(got.shape) == (n, n),
@@ -124,7 +116,7 @@ def check_reusable_length(reusable_length: Callable[[list[int], list[int]], int]
         cases.append(("random", a, b))
     for name, a, b in cases:
         expected = _reusable_length(a, b)
-        got = _call(reusable_length, f"reusable_length({a}, {b})", list(a), list(b))
+        got = call_reader(f"reusable_length({a}, {b})", reusable_length, list(a), list(b))
         expect(isinstance(got, int) and not isinstance(got, bool) and got == expected,
                f"reusable_length({a}, {b}) ({name}) returned {got!r}, expected {expected}: "
                "K/V can be shared only up to the first position where the tokens differ; "
@@ -174,7 +166,7 @@ def check_toy_forward(toy_forward: Callable[[ToyModel, list[int]], list[torch.Te
     for seed in (0, 1):
         toy = toy_model(seed)
         for ids in TOY_INPUTS:
-            got = _call(toy_forward, f"toy_forward(toy_model({seed}), {ids})", toy, list(ids))
+            got = call_reader(f"toy_forward(toy_model({seed}), {ids})", toy_forward, toy, list(ids))
             _compare_states(f"toy_forward(toy_model({seed}), {ids})", got, _toy_forward(toy, ids))
     passed("1.3", "causal, position-free prefill matches the reference at every layer")
 
@@ -187,7 +179,7 @@ def check_toy_decode(toy_decode: Callable[[ToyModel, list[int]], list[torch.Tens
         toy = toy_model(seed)
         for ids in TOY_INPUTS:
             label = f"toy_decode(toy_model({seed}), {ids})"
-            got = _call(toy_decode, label, toy, list(ids))
+            got = call_reader(label, toy_decode, toy, list(ids))
             _compare_states(label + " (compared with the masked prefill)", got,
                             _toy_forward(toy, ids))
     passed("1.4", "token-by-token decode without a mask equals the masked prefill")

@@ -15,7 +15,7 @@ import torch
 from ..radix import RadixNode, page_key
 from ..viz import tree_dict
 from ..workloads import lookup_steps, prefix_node_counts
-from ._common import expect, passed
+from ._common import call_reader, expect, passed
 
 __all__ = [
     "check_abc_tree",
@@ -23,16 +23,6 @@ __all__ = [
     "check_node_counts",
     "check_split_at",
 ]
-
-
-def _call(what: str, fn: Callable, *args):
-    """Run the reader's function; turn a crash into an AssertionError naming the input."""
-    try:
-        return fn(*args)
-    except AssertionError:
-        raise
-    except Exception as exc:  # the reader's bug, reported with the input that caused it
-        raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
 
 # --------------------------------------------------------------------------- 2.1
@@ -71,7 +61,7 @@ def check_get_match_len(get_match_len: Callable[[torch.Tensor, torch.Tensor, int
         cases.append((key, ids, page))
     for key, ids, page in cases:
         expected = _ref_match_len(key, ids, page)
-        got = _call(f"get_match_len(key={key}, ids={ids}, page_size={page})", get_match_len,
+        got = call_reader(f"get_match_len(key={key}, ids={ids}, page_size={page})", get_match_len,
                     torch.tensor(key, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
                     page)
         expect(isinstance(got, int) and not isinstance(got, bool),
@@ -114,7 +104,7 @@ def check_split_at(split_at: Callable[[RadixNode, int], RadixNode]) -> None:
         key_ptr = node.key.untyped_storage().data_ptr()
         value_ptr = node.value.untyped_storage().data_ptr()
         what = f"split_at(node [1, 2, 3, 4, 5, 6], {pos}) with page_size {page_size}"
-        upper = _call(what, split_at, node, pos)
+        upper = call_reader(what, split_at, node, pos)
         expect(isinstance(upper, RadixNode) and upper is not node,
                f"{what} returned {upper!r}; it must return a NEW RadixNode, the upper half. "
                "The old node object keeps the lower half, so handles to it stay valid.")
@@ -208,7 +198,7 @@ def check_node_counts(count_nodes: Callable[[list[list[int]]], tuple[int, int, i
     names = ("trie_nodes", "radix_nodes", "trie_hops", "radix_hops")
     for label, reqs in cases:
         expected = _ref_counts(reqs)
-        got = _call(f"count_nodes({reqs})", count_nodes, [list(r) for r in reqs])
+        got = call_reader(f"count_nodes({reqs})", count_nodes, [list(r) for r in reqs])
         expect(isinstance(got, tuple) and len(got) == 4,
                f"count_nodes({reqs}) returned {got!r}; return a tuple "
                f"(trie_nodes, radix_nodes, trie_hops, radix_hops).")
@@ -245,7 +235,7 @@ def _paths(root: RadixNode) -> dict[tuple[int, ...], list[int]]:
 def check_abc_tree(build_tree: Callable[[list[list[int]]], RadixNode]) -> None:
     """Exercise 2.4: ``build_tree(requests)`` inserts them in order, fresh slots 0, 1, 2, ...
     for uncached tokens only, and returns the root."""
-    root = _call("build_tree([A, B, C])", build_tree, [A, B, C])
+    root = call_reader("build_tree([A, B, C])", build_tree, [A, B, C])
     expect(isinstance(root, RadixNode) and root.is_root(),
            f"build_tree([A, B, C]) returned {root!r}; return the (empty) root RadixNode.")
     got = tree_dict(root)
@@ -269,7 +259,7 @@ def check_abc_tree(build_tree: Callable[[list[list[int]]], RadixNode]) -> None:
         ([[1, 2], [1, 2, 3, 4]], {(1, 2): {(3, 4): {}}}, "an extension hangs below"),
         ([[1, 2], [3]], {(1, 2): {}, (3,): {}}, "a request sharing nothing hangs at the root"),
     ):
-        root = _call(f"build_tree({reqs})", build_tree, reqs)
+        root = call_reader(f"build_tree({reqs})", build_tree, reqs)
         expect(tree_dict(root) == shape,
                f"build_tree({reqs}) built {tree_dict(root)}, expected {shape} ({label}).")
         used = sorted(itertools.chain.from_iterable(_paths(root)[tuple(r)] for r in reqs))

@@ -15,7 +15,7 @@ import torch
 from ..cache import RadixCache
 from ..radix import RadixNode
 from ..viz import tree_dict
-from ._common import expect, passed
+from ._common import call_reader, expect, passed
 
 __all__ = [
     "check_aligned_hits",
@@ -23,16 +23,6 @@ __all__ = [
     "check_match_walk",
     "check_reuse_and_offset",
 ]
-
-
-def _call(what: str, fn: Callable, *args):
-    """Run the reader's function; turn a crash into an AssertionError naming the input."""
-    try:
-        return fn(*args)
-    except AssertionError:
-        raise
-    except Exception as exc:  # the reader's bug, reported with the input that caused it
-        raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _as_list(x) -> list[int] | None:
@@ -87,7 +77,7 @@ def check_match_walk(match_walk: Callable[[RadixNode, list[int], int], tuple]) -
         shape, count = tree_dict(mine), _node_count(mine.root)
         for ids in queries:
             what = f"match_walk(root, {ids}, page_size={page_size}) on a tree holding {inserts}"
-            got = _call(what, match_walk, mine.root, list(ids), page_size)
+            got = call_reader(what, match_walk, mine.root, list(ids), page_size)
             expected = ref.match_prefix(ids)
             want = (expected.cached_len, expected.indices.tolist())
             ok_shape = isinstance(got, tuple) and len(got) == 2 and _as_list(got[1]) is not None
@@ -115,7 +105,7 @@ def check_reuse_and_offset(reuse_and_offset: Callable[[int, int], tuple[int, int
     """Exercise 3.2: ``reuse_and_offset(common_len, page_size) -> (reused, offset)``."""
     for common, page in _OFFSET_CASES:
         want = (common // page * page, common % page)
-        got = _call(f"reuse_and_offset({common}, {page})", reuse_and_offset, common, page)
+        got = call_reader(f"reuse_and_offset({common}, {page})", reuse_and_offset, common, page)
         expect(isinstance(got, tuple) and tuple(got) == want,
                f"reuse_and_offset({common}, {page}) returned {got!r}, expected {want}: only whole "
                "pages are reused (round the common prefix down to a multiple of the page "
@@ -166,7 +156,7 @@ def check_hash_reuse(hash_reuse: Callable[[list[list[int]], list[int], int], int
     for label, cached, ids, block in _HASH_CASES:
         want = _ref_hash_reuse(cached, ids, block)
         what = f"hash_reuse(cached, ids, {block}) ({label}; ids = {ids[:6]}..., {len(ids)} tokens)"
-        got = _call(what, hash_reuse, [list(c) for c in cached], list(ids), block)
+        got = call_reader(what, hash_reuse, [list(c) for c in cached], list(ids), block)
         expect(got == want,
                f"{what} returned {got!r}, expected {want}: cut every sequence into full blocks "
                "from position 0, name each block by a hash of its tokens chained with the "
@@ -196,7 +186,7 @@ def check_aligned_hits(aligned_hits: Callable[[list[list[int]], int], int]) -> N
     for reqs, page in cases:
         want = _replay_hits(reqs, page)
         what = f"aligned_hits({reqs if len(str(reqs)) < 160 else '[...]'}, page_size={page})"
-        got = _call(what, aligned_hits, [list(r) for r in reqs], page)
+        got = call_reader(what, aligned_hits, [list(r) for r in reqs], page)
         expect(got == want,
                f"{what} returned {got!r}, expected {want} (what RadixCache reports): each "
                "request hits the longest prefix it shares with any EARLIER request, rounded "
