@@ -13,7 +13,8 @@ TORCH_INDEX ?=
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.minirt-installed
 NB_EXEC     := $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
-               --ExecutePreprocessor.timeout=600 --ExecutePreprocessor.kernel_name=python3
+               --ExecutePreprocessor.timeout=600 --ExecutePreprocessor.kernel_name=python3 \
+               --ExecutePreprocessor.record_timing=False
 NBVAL       := --nbval --nbval-current-env --nbval-sanitize-with tools/nbval_sanitize.cfg
 CHAPTERS    := $(sort $(wildcard chapters/*.ipynb))
 SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))

@@ -399,8 +399,8 @@ class RadixCache:
     def stats(self) -> CacheStats:
         return CacheStats(self._queries, self._query_tokens, self._hit_tokens)
 
-    def _nodes(self) -> Iterator[RadixNode]:
-        """Every non-root node, parents before children."""
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every node but the (empty) root, parents before children."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -409,7 +409,7 @@ class RadixCache:
 
     def all_values(self) -> torch.Tensor:
         """Every slot index the tree owns (each exactly once)."""
-        return _concat([node.value for node in self._nodes()])
+        return _concat([node.value for node in self.nodes()])
 
     def check_integrity(self) -> None:
         """Walk the whole tree; raise AssertionError naming the first broken invariant."""
@@ -459,7 +459,7 @@ class RadixCache:
         values = _concat(slots)
         require(values.unique().numel() == values.numel(), "every slot owned once", root)
         live = self._heap.live_nodes()
-        missing = [n for n in self._nodes() if is_evictable_leaf(n) and n.id not in live]
+        missing = [n for n in self.nodes() if is_evictable_leaf(n) and n.id not in live]
         require(
             not missing,
             f"every evictable leaf has a heap entry no larger than its key (not {missing[:3]})",

@@ -231,7 +231,7 @@ def evict_by_scan(cache: RadixCache, num_tokens: int) -> torch.Tensor:
     key = cache.policy.key
     while count < num_tokens:
         victim = min(
-            (node for node in cache._nodes() if is_evictable_leaf(node)), key=key, default=None
+            (node for node in cache.nodes() if is_evictable_leaf(node)), key=key, default=None
         )
         if victim is None:  # pragma: no cover - excluded by _check_evict_request
             raise OutOfMemoryError("no evictable leaf left")

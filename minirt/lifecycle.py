@@ -413,15 +413,6 @@ def greedy_reference(model, prompt, max_new_tokens: int) -> list[int]:
 # ---------------------------------------------------------------- invariants
 
 
-def _nodes(cache: RadixCache) -> list[RadixNode]:
-    out, stack = [], list(cache.root.children.values())
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(node.children.values())
-    return out
-
-
 def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]) -> None:
     """The invariants of pool + cache + running requests; AssertionError names the broken one.
 
@@ -484,7 +475,7 @@ def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]
                 f"{r.rid}: page table beyond the cached prefix is not its private slots")
         for n in path:
             expected_refs[id(n)] = expected_refs.get(id(n), 0) + 1
-    for n in _nodes(cache):
+    for n in cache.nodes():
         require(n.ref_count == expected_refs.get(id(n), 0),
                 f"node {n} has ref_count {n.ref_count} but {expected_refs.get(id(n), 0)} "
                 "running requests use it")
@@ -524,7 +515,7 @@ def pool_map(lc: Lifecycle) -> list[str]:
     labels = ["?"] * lc.pool.capacity
     for s in lc.pool.free_slots().tolist():
         labels[s] = "free"
-    for n in _nodes(lc.cache):
+    for n in lc.cache.nodes():
         for s in n.value.tolist():
             labels[s] = "protected" if n.ref_count else "cached"
     for r in lc.running:
@@ -558,7 +549,7 @@ class LifecycleState:
         """Snapshot ``lc`` now (the tree drawn with minirt.viz, slots prefixed 'p')."""
         from .viz import draw_tree, tree_text
 
-        refs = {" ".join(map(str, n.key.tolist())): n.ref_count for n in _nodes(lc.cache)}
+        refs = {" ".join(map(str, n.key.tolist())): n.ref_count for n in lc.cache.nodes()}
         tables = {r.rid: r.page_table.tolist() for r in lc.requests.values()
                   if r.state in ("locked", "running")}
         return cls(step, note, tables, lc.pool.free_slots().tolist(), dict(sorted(refs.items())),

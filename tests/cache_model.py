@@ -254,7 +254,7 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.evict(num)
             assert snapshot(self.cache) == before
             return
-        nodes_before = list(self.cache._nodes())
+        nodes_before = list(self.cache.nodes())
         freed = self.cache.evict(num).tolist()
         assert len(freed) >= num and len(set(freed)) == len(freed)
         removed = {p for p, slots in self.model.items() if slots[0] in set(freed)}

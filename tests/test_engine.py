@@ -18,23 +18,14 @@ from minirt.engine import (
 )
 from minirt.errors import RequestError
 from minirt.lifecycle import greedy_reference
-from minirt.model import tiny_model
 from minirt.workloads import unique_prefix_count
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls run far faster on one thread than on two fighting over a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model():
-    # float64: greedy ties that rounding could flip are out of reach, so equality is exact.
-    return tiny_model(0).to(torch.float64)
+def model(tiny64):
+    return tiny64
 
 
 def reqs(prompts, n=3, **kw):

@@ -28,19 +28,12 @@ from minirt.pool import KVPool, forward_paged
 S = [90, 10, 11, 12]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is ~30x faster than two fighting over a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model():
-    # float64: greedy ties that fp32 rounding could flip are out of reach, so equality is exact.
-    return tiny_model(0).to(torch.float64)
+def model(tiny64):
+    return tiny64
 
 
 def make(model, capacity=8, page_size=1, policy="lru"):

@@ -49,7 +49,9 @@ def test_regions_become_numbered_stubs_at_their_indentation():
 
 def test_numbering_runs_across_cells_and_outputs_are_cleared():
     nb = _notebook(SOLUTION_CELL, "x = 1\n### BEGIN SOLUTION\nx = 2\n### END SOLUTION")
+    nb.cells[0].metadata["execution"] = {"iopub.execute_input": "2026-01-01T00:00:00Z"}
     ex = mx.make_exercise(nb, chapter=7)
+    assert "execution" not in ex.cells[0].metadata
     sources = [c.source for c in ex.cells]
     assert 'Exercise 7.3' in sources[1] and "x = 2" not in sources[1]
     assert all(c.outputs == [] and c.execution_count is None for c in ex.cells)

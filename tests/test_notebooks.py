@@ -60,6 +60,12 @@ def test_executed_in_order_without_unexpected_errors(path):
             assert cell["outputs"], f"{path.name} cell {i} prints but has no stored output"
 
 
+@pytest.mark.parametrize("path", ALL, ids=_ids(ALL))
+def test_no_run_timestamps(path):
+    """Execute with record_timing=False (see the Makefile): timestamps only churn diffs."""
+    assert all("execution" not in c.get("metadata", {}) for c in _code_cells(path))
+
+
 @pytest.mark.parametrize("path", EXECUTED, ids=_ids(EXECUTED))
 def test_first_code_cell_is_setup(path):
     first = _source(_code_cells(path)[0])

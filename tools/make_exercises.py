@@ -61,6 +61,7 @@ def make_exercise(solution: nbformat.NotebookNode, chapter: int) -> nbformat.Not
     nb = copy.deepcopy(solution)
     counter = [0]
     for cell in nb.cells:
+        cell.metadata.pop("execution", None)  # run timestamps say nothing to a reader
         if cell.cell_type == "code":
             cell.source = strip_regions(cell.source, chapter, counter)
             cell.outputs = []

@@ -10,7 +10,6 @@ random one (``tiny_model``): only which slots go where matters here, not the tok
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -20,7 +19,7 @@ from ..errors import MinirtError, OutOfMemoryError
 from ..lifecycle import Lifecycle, Request, check_integrity, state_snapshot
 from ..pool import KVPool
 from ..radix import RadixNode
-from ._common import expect, passed
+from ._common import as_int_list, expect, passed
 
 __all__ = [
     "PAGE_TABLE_STEPS",
@@ -74,23 +73,6 @@ def _nodes(cache: RadixCache) -> list[RadixNode]:
         out.append(n)
         stack.extend(n.children.values())
     return sorted(out, key=_path_tokens)
-
-
-def _as_int_list(got) -> list[int] | None:
-    if isinstance(got, torch.Tensor):
-        if got.dim() != 1 or got.is_floating_point() or got.dtype == torch.bool:
-            return None
-        return [int(x) for x in got.tolist()]
-    try:
-        items = list(got)
-    except TypeError:
-        return None
-    if any(isinstance(x, bool) for x in items):
-        return None
-    try:
-        return [operator.index(x) for x in items]
-    except TypeError:
-        return None
 
 
 # --------------------------------------------------------------------------- 4.1
@@ -335,7 +317,7 @@ def check_page_tables(predicted: Mapping[str, Mapping[str, object]]) -> None:
     for step in PAGE_TABLE_STEPS:
         expect(step in predicted, f"no prediction for step {step!r} (steps: {PAGE_TABLE_STEPS})")
         want, got = truth[step], predicted[step]
-        free = _as_int_list(got.get("free", ())) if isinstance(got, Mapping) else None
+        free = as_int_list(got.get("free", ())) if isinstance(got, Mapping) else None
         expect(free is not None and free == want["free"],
                f"after '{step}' you predicted the free list {free!r}; it is {want['free']}. "
                "Allocation takes the lowest-numbered free slots; eviction returns a leaf's "
@@ -345,7 +327,7 @@ def check_page_tables(predicted: Mapping[str, Mapping[str, object]]) -> None:
                f"after '{step}' you predicted page tables for {sorted(tables)}; the running "
                f"requests are {sorted(want['page_tables'])}.")
         for rid, slots in want["page_tables"].items():
-            mine = _as_int_list(tables[rid])
+            mine = as_int_list(tables[rid])
             expect(mine == slots,
                    f"after '{step}' you predicted {rid}'s page table {mine!r}; it is {slots}. "
                    "Cached positions point at the tree's slots; only the uncached gap and each "

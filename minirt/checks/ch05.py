@@ -17,7 +17,7 @@ import torch
 from ..cache import RadixCache
 from ..eviction import belady_hit_rate
 from ..radix import RadixNode
-from ._common import expect, passed
+from ._common import as_int_list, expect, passed
 
 __all__ = ["check_belady_hits", "check_eviction_order", "check_orphaned_slots", "check_refcounts"]
 
@@ -115,7 +115,7 @@ def check_eviction_order(eviction_order: Callable[[RadixCache, int], Sequence[Ra
             if got_slots != expected_slots:
                 victims = []
                 for s in expected_slots:  # the reference victims, as nodes of the reader's tree
-                    node = next(n for n in _all_nodes(mine) if s in n.value.tolist())
+                    node = next(n for n in mine.nodes() if s in n.value.tolist())
                     if not victims or victims[-1] is not node:
                         victims.append(node)
                 expect(False,
@@ -125,36 +125,6 @@ def check_eviction_order(eviction_order: Callable[[RadixCache, int], Sequence[Ra
                        "candidate if it is unlocked; stop once at least num_tokens are freed.")
     passed("5.1", f"{sum(len(a) for _, _, a in EVICTION_TREES)} eviction orders on "
                   f"{len(EVICTION_TREES)} trees match RadixCache.evict")
-
-
-def _all_nodes(cache: RadixCache) -> list[RadixNode]:
-    out, stack = [], list(cache.root.children.values())
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(node.children.values())
-    return out
-
-
-def _as_int_list(got) -> list[int] | None:
-    """``got`` (a list, tuple, set or 1-D integer tensor) as a list of Python ints; else None."""
-    if isinstance(got, torch.Tensor):
-        if got.dim() != 1 or got.is_floating_point() or got.dtype == torch.bool:
-            return None
-        return [int(x) for x in got.tolist()]
-    try:
-        items = list(got)
-    except TypeError:
-        return None
-    out = []
-    for x in items:
-        if isinstance(x, bool):
-            return None
-        try:
-            out.append(operator.index(x))
-        except TypeError:
-            return None
-    return out
 
 
 def _orphaned(node: RadixNode) -> list[int]:
@@ -175,12 +145,12 @@ def check_orphaned_slots(orphaned_slots: Callable[[RadixNode], Sequence[int]]) -
     """Exercise 5.2: the pool slots that would become unreachable (and never be freed) if
     ``node`` were cut out of the tree: the slots of every node below it."""
     cache = build_cache(_ORPHAN_TREE)
-    nodes = sorted(_all_nodes(cache), key=path_tokens)
+    nodes = sorted(cache.nodes(), key=path_tokens)
     inner = 0
     for node in nodes:
         expected = _orphaned(node)
         inner += bool(expected)
-        got = _as_int_list(orphaned_slots(node))
+        got = as_int_list(orphaned_slots(node))
         expect(got is not None and sorted(got) == expected and len(got) == len(expected),
                f"orphaned_slots(node {path_tokens(node)} with key {node.key.tolist()}, slots "
                f"{node.value.tolist()}) returned {got!r}, expected {expected} (each once): the "
@@ -233,7 +203,7 @@ def check_refcounts(replay_refs: Callable[[list[Event]], Sequence[Sequence[int]]
         expected = _replay_refs(events)
         got = replay_refs([(kind, list(blocks)) for kind, blocks in events])
         try:
-            lists = [_as_int_list(g) for g in got]
+            lists = [as_int_list(g) for g in got]
         except TypeError:
             lists = None
         got_lists = None if lists is None or None in lists else [sorted(g) for g in lists]

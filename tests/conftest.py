@@ -1,0 +1,24 @@
+"""Fixtures shared by the tests that run a tiny model many times."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minirt.model import tiny_model
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is far faster than two fighting over a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    """``tiny_model(0)`` in float64: greedy ties that rounding could flip are out of reach,
+    so outputs with and without the cache can be required to be exactly equal."""
+    return tiny_model(0).to(torch.float64)
