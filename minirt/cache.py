@@ -39,6 +39,7 @@ __all__ = [
     "RadixCache",
     "SizeInfo",
     "as_ids",
+    "insert_fresh",
 ]
 
 _HOST = torch.device("cpu")  # the tree's own bookkeeping lives in host memory
@@ -478,3 +479,18 @@ def _check_priority(priority: int) -> int:
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise RequestError(f"priority must be an int, got {priority!r}")
     return priority
+
+
+def insert_fresh(cache: RadixCache, ids: IdsLike, first_slot: int) -> tuple[InsertResult, int]:
+    """Cache ``ids`` as a request would, with made-up slots instead of a pool.
+
+    Match, number the uncached whole-page part with consecutive slots from
+    ``first_slot``, insert. Returns the insert result and the next unused slot number.
+    For examples, checkers and tests that need a tree, not K/V.
+    """
+    ids = as_ids(ids)
+    match = cache.match_prefix(ids)
+    aligned = ids.numel() - ids.numel() % cache.page_size
+    fresh = torch.arange(first_slot, first_slot + aligned - match.cached_len, dtype=torch.int64)
+    result = cache.insert_prefix(ids[:aligned], torch.cat([match.indices, fresh]))
+    return result, first_slot + fresh.numel()

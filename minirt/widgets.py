@@ -13,9 +13,8 @@ import re
 from typing import Any
 
 import graphviz
-import torch
 
-from .cache import InsertResult, MatchResult, RadixCache
+from .cache import InsertResult, MatchResult, RadixCache, insert_fresh
 from .errors import InvalidIdsError
 from .viz import draw_tree
 
@@ -99,14 +98,12 @@ class Explorer:
         Only whole pages are cached; tokens past the last whole page are reported, not kept.
         """
         ids = self.encode(text)
-        matched = self.cache.match_prefix(ids)
         page = self.cache.page_size
         aligned = len(ids) - len(ids) % page
-        fresh = list(range(self.next_slot, self.next_slot + aligned - matched.cached_len))
-        self.next_slot += len(fresh)
+        first = self.next_slot
+        result, self.next_slot = insert_fresh(self.cache, ids, first)
+        fresh = list(range(first, self.next_slot))
         tail = len(ids) - aligned
-        indices = torch.cat([matched.indices, torch.tensor(fresh, dtype=torch.int64)])
-        result = self.cache.insert_prefix(ids[:aligned], indices)
         self.highlight = result.handle.node if aligned else None
         self.message = (f"insert: {len(ids)} tokens, {result.cached_len} already cached, "
                         f"{len(fresh)} new in slots {_slot_range(fresh)}"

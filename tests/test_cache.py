@@ -361,3 +361,14 @@ TestCachePageOne = PageOne.TestCase
 TestCachePageOne.settings = settings(max_examples=200, deadline=None, stateful_step_count=40)
 TestCachePageFour = PageFour.TestCase
 TestCachePageFour.settings = settings(max_examples=200, deadline=None, stateful_step_count=40)
+
+
+def test_insert_fresh_numbers_only_the_uncached_whole_pages():
+    from minirt.cache import insert_fresh
+
+    cache = RadixCache(page_size=2)
+    first, nxt = insert_fresh(cache, [1, 2, 3, 4, 5], 10)
+    assert (first.cached_len, nxt, first.indices.tolist()) == (0, 14, [10, 11, 12, 13])
+    second, nxt = insert_fresh(cache, [1, 2, 7, 8], nxt)
+    assert (second.cached_len, nxt, second.indices.tolist()) == (2, 16, [10, 11, 14, 15])
+    cache.check_integrity()

@@ -133,15 +133,11 @@ def test_summary_line(tok):
 
 def replay(requests, page_size=1):
     """Match then insert every request (fresh slots for the gap) in an unbounded RadixCache."""
-    from minirt.cache import RadixCache
+    from minirt.cache import RadixCache, insert_fresh
 
-    cache, slots = RadixCache(page_size=page_size), 0
+    cache, slot = RadixCache(page_size=page_size), 0
     for r in requests:
-        m = cache.match_prefix(r)
-        n = len(r) - len(r) % page_size
-        fresh = list(range(slots, slots + n - m.cached_len))
-        slots += len(fresh)
-        cache.insert_prefix(r[:n], m.indices.tolist() + fresh)
+        _, slot = insert_fresh(cache, r, slot)
     return cache
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..cache import RadixCache
+from ..cache import RadixCache, insert_fresh
 from ..radix import RadixNode
 from ..viz import tree_dict
 from ._common import call_reader, expect, passed
@@ -61,11 +61,7 @@ _WALK_TREES: list[tuple[int, list[list[int]], list[list[int]]]] = [
 def _build(page_size: int, requests: list[list[int]]) -> RadixCache:
     cache, slot = RadixCache(page_size=page_size), 100
     for ids in requests:
-        hit = cache.match_prefix(ids)
-        n = len(ids) - len(ids) % page_size
-        fresh = list(range(slot, slot + n - hit.cached_len))
-        slot += len(fresh)
-        cache.insert_prefix(ids[:n], hit.indices.tolist() + fresh)
+        _, slot = insert_fresh(cache, ids, slot)
     return cache
 
 

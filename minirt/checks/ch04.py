@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..cache import CacheHandle, RadixCache
+from ..cache import CacheHandle, RadixCache, insert_fresh
 from ..errors import MinirtError, OutOfMemoryError
 from ..lifecycle import Lifecycle, Request, check_integrity, state_snapshot
 from ..pool import KVPool
@@ -82,10 +82,7 @@ def _tree(inserts: Sequence[Sequence[int]]) -> RadixCache:
     """A cache holding ``inserts`` (fresh slots 0, 1, 2, ... for each uncached part)."""
     cache, nxt = RadixCache(), 0
     for ids in inserts:
-        m = cache.match_prefix(ids)
-        fresh = torch.arange(nxt, nxt + len(ids) - m.cached_len)
-        nxt += fresh.numel()
-        cache.insert_prefix(ids, torch.cat([m.indices, fresh]))
+        _, nxt = insert_fresh(cache, ids, nxt)
     return cache
 
 

@@ -12,9 +12,7 @@ import operator
 import random
 from collections.abc import Callable, Sequence
 
-import torch
-
-from ..cache import RadixCache
+from ..cache import RadixCache, insert_fresh
 from ..eviction import belady_hit_rate
 from ..radix import RadixNode
 from ._common import as_int_list, expect, passed
@@ -57,11 +55,7 @@ def build_cache(script: Script, policy: str = "lru") -> RadixCache:
     for step, ids in script:
         ids = list(ids)
         if step == "insert":
-            match = cache.match_prefix(ids)
-            need = len(ids) - match.cached_len
-            fresh = torch.arange(next_slot, next_slot + need, dtype=torch.int64)
-            next_slot += need
-            cache.insert_prefix(ids, torch.cat([match.indices, fresh]))
+            _, next_slot = insert_fresh(cache, ids, next_slot)
         elif step == "match":
             cache.match_prefix(ids)
         elif step == "lock":
