@@ -1,15 +1,15 @@
 """What the prefix cache buys the serving engine on the real model, measured in one run.
 
     python benchmarks/engine.py                 # TTFT table, where the time goes, workloads
-    python benchmarks/engine.py --repeats 7     # more repeats per point
+    python benchmarks/engine.py --repeats 15    # more repeats per point
     python benchmarks/engine.py --threads 1     # torch threads (default: torch's choice)
 
 1. TTFT of a prompt whose first P tokens (256, 512, 1024) are cached and whose last S
    (32, 64) are not, through ``Engine`` with the cache, against
    * the ideal: a bare prefill of the S suffix tokens alone (plain model forward), and
    * no cache: the same engine with ``use_cache=False``, prefilling all P + S tokens.
-   Medians of ``--repeats`` runs after a warm-up; every cached run uses a fresh suffix
-   (so it never hits a suffix cached by the previous run).
+   Medians of ``--repeats`` runs after a warm-up, the three timed in turn; every cached
+   run uses a fresh suffix (so it never hits a suffix cached by the previous run).
 2. Where the cached time goes (P=1024, S=64): the chapter-04 pool's gather (advanced
    indexing) against the engine's (index_select), the profiler's split of the forward,
    and the FLOP model of exercise 6.3 (attention to the cached prefix is not free).
@@ -29,19 +29,30 @@ import time
 import torch
 
 from minirt.engine import Engine, Request, chat_script, serve_chat
-from minirt.model import load_model
+from minirt.model import ATTENTION, load_model
 from minirt.pool import KVPool, forward_paged
 from minirt.workloads import few_shot, rag
 
 
 def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved_medians({"t": fn}, repeats)["t"]
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, timed in turn (a, b, c, a, b, c, ...) after a warm-up.
+
+    Taking turns makes slow drifts of a shared machine hit every contender alike. A
+    function may return its own measurement (seconds) instead of being timed whole.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(repeats + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            own = fn()
+            if round_:  # round 0 is the warm-up
+                times[name].append(own if isinstance(own, float) else
+                                   time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 class TTFTBench:
@@ -68,19 +79,17 @@ class TTFTBench:
         prefix = self.ids(prefix_len)
         self.cached.flush()
         self.ttft(self.cached, prefix)  # the prefix is now cached
-        cached = median_time(
-            lambda: self.ttft(self.cached, prefix + self.ids(suffix_len), prefix_len),
-            self.repeats)
         suffix = torch.tensor(self.ids(suffix_len))[None].to(self.model.device)
 
         def bare() -> None:
             with torch.inference_mode():
                 self.model(suffix, logits_to_keep=1).logits[0, -1].argmax().item()
 
-        ideal = median_time(bare, self.repeats)
-        full = median_time(lambda: self.ttft(self.plain, prefix + self.ids(suffix_len), 0),
-                           self.repeats)
-        return {"cached": cached, "ideal": ideal, "full": full}
+        return interleaved_medians({
+            "cached": lambda: self.ttft(self.cached, prefix + self.ids(suffix_len), prefix_len),
+            "ideal": bare,
+            "full": lambda: self.ttft(self.plain, prefix + self.ids(suffix_len), 0),
+        }, self.repeats)
 
 
 def ttft_table(bench: TTFTBench) -> list[dict]:
@@ -105,17 +114,41 @@ def where_time_goes(model, repeats: int) -> None:
     from minirt.engine import _Pool
     from minirt.pool import PageTable
 
-    print("\n2. Where the cached time goes (P=1024, S=64, one forward through the pool)")
+    print("\n2. Where the cached time goes (P=1024, S=64, one forward through the pool; "
+          f"median ms of {repeats}, timed in turn)")
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1000, model.config.vocab_size, (1088,), generator=gen)
-    for name, cls in (("chapter-04 KVPool.gather (advanced indexing)", KVPool),
-                      ("engine gather (index_select)", _Pool)):
+    pools = {}
+    for cls in (KVPool, _Pool):
         pool = cls.for_model(model, 2048)
         table = PageTable(pool.alloc(1088))
         forward_paged(model, pool, [PageTable(table.slots[:1024])], [ids[:1024]])
-        ms = median_time(lambda p=pool, t=table: forward_paged(model, p, [t], [ids[1024:]]),
-                         repeats) * 1e3
-        print(f"   {name:<46} {ms:8.1f} ms")
+        pools[cls] = pool, table
+
+    def paged(cls, attention):
+        def run() -> None:
+            model.set_attn_implementation(attention)
+            pool, table = pools[cls]
+            forward_paged(model, pool, [table], [ids[1024:]])
+        return run
+
+    def bare() -> None:
+        model.set_attn_implementation(ATTENTION)
+        with torch.inference_mode():
+            model(ids[None, 1024:].to(model.device), logits_to_keep=1)
+
+    variants = {
+        "chapter-04 gather (advanced indexing), sdpa copying K/V heads": paged(KVPool, "sdpa"),
+        "engine gather (index_select), sdpa copying K/V heads": paged(_Pool, "sdpa"),
+        f"engine gather, {ATTENTION} (K/V heads read in place)": paged(_Pool, ATTENTION),
+        "bare prefill of the 64 suffix tokens (the ideal)": bare,
+    }
+    times = interleaved_medians(variants, repeats)
+    model.set_attn_implementation(ATTENTION)
+    ideal = times["bare prefill of the 64 suffix tokens (the ideal)"]
+    for name, t in times.items():
+        print(f"   {name:<62} {t * 1e3:7.1f} ms  {t / ideal:5.2f}x ideal")
+    pool, table = pools[_Pool]
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -174,7 +207,7 @@ def workload_totals(model, tokenizer) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:

@@ -276,6 +276,7 @@ class PagedBatch:
     """
 
     new_slots: torch.Tensor    # [sum(new)] slots receiving the new tokens' K/V, request order
+    new_rows: torch.Tensor     # [sum(new)] row r * q_len + column of each new token, same order
     query_mask: torch.Tensor   # [B, q_len] True where a query column is a real token
     slot_matrix: torch.Tensor  # [B, kv_len] slot of every key position (pads: slot 0)
     key_mask: torch.Tensor     # [B, kv_len] True where a key position is real
@@ -303,7 +304,7 @@ class PagedBatch:
         key_mask = torch.zeros(b, kv_len, dtype=torch.bool)
         query_mask = torch.zeros(b, q_len, dtype=torch.bool)
         position_ids = torch.zeros(b, q_len, dtype=torch.int64)
-        new = []
+        new, rows = [], []
         for r, (table, n) in enumerate(zip(tables, num_new, strict=True)):
             total = len(table)
             slot_matrix[r, kv_len - total:] = table.slots
@@ -311,7 +312,9 @@ class PagedBatch:
             query_mask[r, q_len - n:] = True
             position_ids[r, q_len - n:] = torch.arange(total - n, total)
             new.append(table.slots[total - n:])
-        return cls(torch.cat(new), query_mask, slot_matrix, key_mask, position_ids)
+            rows.append(torch.arange(r * q_len + q_len - n, (r + 1) * q_len))
+        return cls(torch.cat(new), torch.cat(rows), query_mask, slot_matrix, key_mask,
+                   position_ids)
 
 
 class PoolLayer(CacheLayerMixin):
@@ -336,8 +339,8 @@ class PoolLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         b = self.batch
-        k_new = key_states.transpose(1, 2)[b.query_mask.to(key_states.device)]
-        v_new = value_states.transpose(1, 2)[b.query_mask.to(value_states.device)]
+        k_new = key_states.transpose(1, 2).flatten(0, 1).index_select(0, b.new_rows)
+        v_new = value_states.transpose(1, 2).flatten(0, 1).index_select(0, b.new_rows)
         self.pool.write(self.layer_idx, b.new_slots, k_new, v_new)
         k, v = self.pool.gather(self.layer_idx, b.slot_matrix)
         return k.transpose(1, 2).to(key_states.dtype), v.transpose(1, 2).to(value_states.dtype)

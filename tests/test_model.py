@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from minirt.errors import ModelUnavailableError, UnknownModelError
+from minirt.kv import extend, prefill
 from minirt.model import (
+    ATTENTION,
     DEFAULT_MODEL,
     cache_dir,
     default_device,
@@ -31,6 +33,37 @@ def test_tiny_model_is_seeded_small_and_in_eval_mode():
     with torch.no_grad():
         la, lb, lc = (m(ids).logits for m in (a, b, c))
     assert torch.equal(la, lb) and not torch.equal(la, lc)
+
+
+def _logits_with(model, attention: str, run):
+    model.set_attn_implementation(attention)
+    try:
+        with torch.no_grad():
+            return run(model)
+    finally:
+        model.set_attn_implementation(ATTENTION)
+
+
+@pytest.mark.parametrize("case", ["extend after a cached prefix", "left-padded batch",
+                                  "plain prefill", "decode step"])
+def test_minirt_attention_matches_transformers_attention(case):
+    """The grouped-head kernel path must give eager attention's numbers on every mask shape."""
+    model = tiny_model(3)
+    assert model.config._attn_implementation == ATTENTION
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
+    runs = {
+        "extend after a cached prefix": lambda m: extend(m, prefill(m, ids[:31])[1], ids[31:])[0],
+        "left-padded batch": lambda m: m(
+            input_ids=torch.stack([ids[:12], torch.cat([torch.zeros(4, dtype=torch.long),
+                                                        ids[20:28]])]),
+            attention_mask=torch.tensor([[1] * 12, [0] * 4 + [1] * 8])).logits[:, 4:],
+        "plain prefill": lambda m: prefill(m, ids)[0],
+        "decode step": lambda m: extend(m, prefill(m, ids[:39])[1], ids[39:])[0],
+    }
+    ours = _logits_with(model, ATTENTION, runs[case])
+    reference = _logits_with(model, "eager", runs[case])
+    assert ours.shape == reference.shape
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_device_and_dtype_choice(monkeypatch):
