@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -34,7 +35,7 @@ from .eviction import EvictionPolicy
 from .lifecycle import Lifecycle, node_path
 from .lifecycle import Request as LifecycleRequest
 from .pool import KVPool
-from .workloads import unique_prefix_count
+from .workloads import support_chats, unique_prefix_count
 
 __all__ = [
     "ChatRun",
@@ -240,7 +241,6 @@ class _Job:
     index: int
     request: Request
     lc: LifecycleRequest
-    generator: torch.Generator | None
     final_slots: int            # slots it holds at most: pages(prompt + max_new - 1)
     ttft: float = 0.0
     prefill_time: float = 0.0
@@ -369,19 +369,16 @@ class Engine:
             try:
                 ids = self.validate(request)
                 result.prompt_ids = ids.tolist()
-                lc_req = self.lifecycle.new_request(ids, request.max_new_tokens, rid=rid,
-                                                    eos_token_id=self.eos_token_id
-                                                    if request.stop_on_eos else None)
+                lc_req = self.lifecycle.new_request(
+                    ids, request.max_new_tokens, rid=rid,
+                    eos_token_id=self.eos_token_id if request.stop_on_eos else None,
+                    next_token=self._sampler(request))
             except RequestError as exc:
                 result.error = exc
                 continue
-            generator = None
-            if request.temperature > 0:
-                seed = request.seed if request.seed is not None else random.getrandbits(63)
-                generator = torch.Generator().manual_seed(seed)
             ps = self.pool.page_size
             final = -(-(ids.numel() + request.max_new_tokens - 1) // ps) * ps
-            waiting.append(_Job(i, request, lc_req, generator, final))
+            waiting.append(_Job(i, request, lc_req, final))
 
         running: list[_Job] = []
         jobs = list(waiting)
@@ -392,9 +389,9 @@ class Engine:
                 self._admit_and_prefill(waiting, running, start, on_token)
                 batch = [j for j in running if not j.lc.done]
                 if batch:
-                    logits = self.lifecycle.decode([j.lc for j in batch])
-                    for job, lg in zip(batch, logits, strict=True):
-                        self._take(job, lg, on_token)
+                    self.lifecycle.decode([j.lc for j in batch])
+                    for job in batch:
+                        self._emit(job, on_token)
                     self._check()
                 for job in [j for j in running if j.lc.done]:
                     running.remove(job)
@@ -450,8 +447,8 @@ class Engine:
             budget, admitted = budget - uncached, admitted + 1
             self.lifecycle.admit(job.lc)  # lock + allocate the gap (evicting if short)
             t = time.perf_counter()
-            logits = self.lifecycle.prefill(job.lc)
-            self._take(job, logits, on_token)
+            self.lifecycle.prefill(job.lc)
+            self._emit(job, on_token)
             job.prefill_time = time.perf_counter() - t
             job.ttft = time.perf_counter() - start
             if self.use_cache:
@@ -463,13 +460,21 @@ class Engine:
             if budget <= 0:
                 break
 
-    def _take(self, job: _Job, logits: torch.Tensor, on_token: TokenCallback | None) -> None:
-        """Sample the next token from ``logits`` and append it (replacing the lifecycle's)."""
-        r = job.request
-        tok = sample_token(logits, r.temperature, r.top_k, job.generator)
-        job.lc.output[-1] = tok  # prefill/decode appended their argmax: ours replaces it
+    @staticmethod
+    def _sampler(request: Request) -> Callable[[torch.Tensor], int]:
+        """How ``request`` picks each token: argmax, or draws from its own seeded generator."""
+        generator = None
+        if request.temperature > 0:
+            seed = request.seed if request.seed is not None else random.getrandbits(63)
+            generator = torch.Generator().manual_seed(seed)
+        return partial(sample_token, temperature=request.temperature, top_k=request.top_k,
+                       generator=generator)
+
+    @staticmethod
+    def _emit(job: _Job, on_token: TokenCallback | None) -> None:
+        """Stream the token the lifecycle just appended."""
         if on_token is not None:
-            on_token(job.lc.rid, tok)
+            on_token(job.lc.rid, job.lc.output[-1])
 
     def _finish(self, job: _Job, result: RequestResult, start: float) -> None:
         """Step 5: cache prompt + output and unlock (or, without the cache, just free)."""
@@ -552,27 +557,13 @@ class ChatScript:
 
 def chat_script(tokenizer, num_conversations: int = 8, turns: int = 4,
                 system_tokens: int = 500, seed: int = 0) -> ChatScript:
-    """Support-desk conversations with chapter 03's system prompt and user phrases.
+    """The users' side of ``workloads.support_chats``: what they say, turn by turn.
 
     Unlike ``workloads.multi_turn_chat`` (canned replies), the answers are left to the
     model: ``serve_chat`` sends turn k+1 only after turn k's answer is known.
     """
-    from . import workloads as w
-
-    if min(num_conversations, turns, system_tokens) < 1:
-        raise RequestError("num_conversations, turns and system_tokens must be >= 1")
-    rng = random.Random(f"engine-chat-{seed}")
-    system = w._system_prompt(tokenizer, rng, system_tokens)
-    users = []
-    for _ in range(num_conversations):
-        product = rng.choice(w._PRODUCTS)
-        fill = {"product": product, "a_product": w._a(product), "problem": rng.choice(w._PROBLEMS),
-                "day": rng.choice(w._DAYS), "name": rng.choice(w._NAMES),
-                "order": f"NW-{rng.randrange(10000, 99999)}"}
-        follow = rng.sample(w._FOLLOW_UPS, k=min(turns - 1, len(w._FOLLOW_UPS)))
-        follow += [rng.choice(w._FOLLOW_UPS) for _ in range(turns - 1 - len(follow))]
-        users.append([m.format(**fill) for m in [rng.choice(w._OPENERS), *follow]])
-    return ChatScript(system, users)
+    chats = support_chats(tokenizer, num_conversations, turns, system_tokens, seed)
+    return ChatScript(chats.system, chats.users)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import html
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,7 @@ __all__ = [
     "Request",
     "check_integrity",
     "greedy_reference",
+    "greedy_token",
     "lifecycle_stepper",
     "node_path",
     "pool_map",
@@ -50,6 +51,11 @@ __all__ = [
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _rids = itertools.count(1)
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The most likely next token: how a request picks unless it was given a sampler."""
+    return int(logits.argmax())
 
 
 @dataclass(eq=False)
@@ -76,6 +82,7 @@ class Request:
     reused_len: int = 0  # prompt tokens taken from the cache at admission
     page_table: PageTable = field(default_factory=PageTable)
     private: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    next_token: Callable[[torch.Tensor], int] = field(default=greedy_token, repr=False)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -146,8 +153,12 @@ class Lifecycle:
 
     # ------------------------------------------------------------ requests
     def new_request(self, prompt, max_new_tokens: int = 1, rid: str | None = None,
-                    eos_token_id: int | None = None) -> Request:
-        """A waiting request; RequestError if it is empty or could never fit in the pool."""
+                    eos_token_id: int | None = None,
+                    next_token: Callable[[torch.Tensor], int] = greedy_token) -> Request:
+        """A waiting request; RequestError if it is empty or could never fit in the pool.
+
+        ``next_token`` turns a position's logits into the token to append (greedy by default).
+        """
         ids = as_ids(prompt, "prompt")
         if ids.numel() == 0:
             raise RequestError("a request needs at least one prompt token")
@@ -166,7 +177,8 @@ class Lifecycle:
         rid = rid if rid is not None else f"R{next(_rids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, max_new_tokens, eos_token_id, arrival=next(self._arrivals))
+        req = Request(rid, ids, max_new_tokens, eos_token_id, arrival=next(self._arrivals),
+                      next_token=next_token)
         self.requests[rid] = req
         return req
 
@@ -263,7 +275,7 @@ class Lifecycle:
     def prefill(self, req: Request, all_logits: bool = False) -> torch.Tensor:
         """Run the uncached prompt tokens through the model, writing their K/V into the pool.
 
-        Appends the greedy next token to ``req.output``; returns the last position's
+        Appends the next token (``req.next_token``) to ``req.output``; returns the last position's
         logits (or every new position's with ``all_logits=True``).
         """
         self._require(req, "running")
@@ -274,7 +286,7 @@ class Lifecycle:
                                last_only=not all_logits)[0]
         req.kv_len = req.prompt.numel()
         last = logits if logits.dim() == 1 else logits[-1]
-        req.output.append(int(last.argmax()))
+        req.output.append(req.next_token(last))
         return logits
 
     def _slot_for_next(self, req: Request) -> torch.Tensor | None:
@@ -316,7 +328,7 @@ class Lifecycle:
                                [torch.tensor([r.output[-1]]) for r in reqs])
         for r, lg in zip(reqs, logits, strict=True):
             r.kv_len += 1
-            r.output.append(int(lg.argmax()))
+            r.output.append(r.next_token(lg))
         return logits
 
     # ------------------------------------------------------------ insert, finish

@@ -171,13 +171,15 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.
     With a mask (every prefill after a cached prefix has one) transformers copies each K/V
     head once per query head that shares it; torch's CPU kernel reads the shared head
     directly (``enable_gqa``): same values, ~9 ms less of a 150 ms cached prefill
-    (``benchmarks/engine.py``). CUDA's masked kernels cannot, so there nothing changes.
+    (``benchmarks/engine.py``). On CUDA a masked GQA call falls back to the slow math
+    kernel, and some models add a bias or a softcap: there transformers' path is kept.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     grouped = getattr(module, "num_key_value_groups", 1) > 1
+    extras = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
     if (query.device.type == "cpu" and grouped and attention_mask is not None
-            and query.shape[2] > 1 and kwargs.get("position_bias") is None):
+            and query.shape[2] > 1 and not extras):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
             enable_gqa=True)

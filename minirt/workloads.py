@@ -31,6 +31,7 @@ __all__ = [
     "prefix_node_counts",
     "rag",
     "standard_workloads",
+    "support_chats",
     "unique_prefix_count",
 ]
 
@@ -264,36 +265,62 @@ def _system_prompt(tokenizer: Any, rng: random.Random, target_tokens: int) -> st
     return " ".join(sentences)
 
 
-def multi_turn_chat(tokenizer: Any, num_conversations: int = 4, turns: int = 3,
-                    system_tokens: int = 150, seed: int = 0, interleave: bool = True) -> Workload:
-    """Support-desk chats sharing one system prompt; each turn resends the whole conversation.
+@dataclass(frozen=True)
+class SupportChats:
+    """Support-desk conversations: one shared system prompt and, per conversation, a user
+    message and a canned assistant reply for every turn."""
 
-    Request (c, t) is conversation c up to its t-th user message, through the chat
-    template, so it extends request (c, t-1). ``interleave`` sends turn 1 of every
-    conversation, then turn 2 of every one, and so on (as concurrent users would).
+    system: str
+    users: list[list[str]]
+    replies: list[list[str]]
+
+
+def support_chats(tokenizer: Any, num_conversations: int = 4, turns: int = 3,
+                  system_tokens: int = 150, seed: int = 0) -> SupportChats:
+    """The conversations behind ``multi_turn_chat`` (and chapter 06's served chats).
+
+    Each conversation is about one product and one problem; its first message opens the
+    case, the others follow up. The system prompt is about ``system_tokens`` long.
     """
     _check_sizes(num_conversations=num_conversations, turns=turns, system_tokens=system_tokens)
     rng = random.Random(f"chat-{seed}")
     system = _system_prompt(tokenizer, rng, system_tokens)
-    per_conversation: list[list[str]] = []
+    users, replies = [], []
     for _ in range(num_conversations):
         product = rng.choice(_PRODUCTS)
         fill = {"product": product, "a_product": _a(product), "problem": rng.choice(_PROBLEMS),
                 "day": rng.choice(_DAYS), "name": rng.choice(_NAMES),
                 "order": f"NW-{rng.randrange(10000, 99999)}",
                 "ticket": f"T{rng.randrange(1000, 9999)}"}
-        users = [rng.choice(_OPENERS)] + rng.sample(_FOLLOW_UPS, k=min(turns - 1, len(_FOLLOW_UPS)))
-        while len(users) < turns:
-            users.append(rng.choice(_FOLLOW_UPS))
-        replies = [_REPLIES[0]] + rng.sample(_REPLIES[1:], k=min(turns, len(_REPLIES)) - 1)
-        while len(replies) < turns:
-            replies.append(rng.choice(_REPLIES[1:]))
-        messages = [{"role": "system", "content": system}]
+        said = [rng.choice(_OPENERS)] + rng.sample(_FOLLOW_UPS, k=min(turns - 1, len(_FOLLOW_UPS)))
+        while len(said) < turns:
+            said.append(rng.choice(_FOLLOW_UPS))
+        answered = [_REPLIES[0]] + rng.sample(_REPLIES[1:], k=min(turns, len(_REPLIES)) - 1)
+        while len(answered) < turns:
+            answered.append(rng.choice(_REPLIES[1:]))
+        users.append([m.format(**fill) for m in said])
+        replies.append([m.format(**fill) for m in answered])
+    return SupportChats(system, users, replies)
+
+
+def multi_turn_chat(tokenizer: Any, num_conversations: int = 4, turns: int = 3,
+                    system_tokens: int = 150, seed: int = 0, interleave: bool = True) -> Workload:
+    """Support-desk chats sharing one system prompt; each turn resends the whole conversation.
+
+    Request (c, t) is conversation c up to its t-th user message, through the chat
+    template, so it extends request (c, t-1); earlier answers are ``support_chats``'
+    canned replies. ``interleave`` sends turn 1 of every conversation, then turn 2 of
+    every one, and so on (as concurrent users would).
+    """
+    chats = support_chats(tokenizer, num_conversations, turns, system_tokens, seed)
+    per_conversation: list[list[str]] = []
+    for users, replies in zip(chats.users, chats.replies, strict=True):
+        messages = [{"role": "system", "content": chats.system}]
         texts = []
-        for t in range(turns):
-            messages.append({"role": "user", "content": users[t].format(**fill)})
+        for user, reply in zip(users, replies, strict=True):
+            messages.append({"role": "user", "content": user})
             texts.append(_chat_text(tokenizer, messages))
-            messages.append({"role": "assistant", "content": replies[t].format(**fill)})
+            messages.append({"role": "assistant", "content": reply})
         per_conversation.append(texts)
     if interleave:
         order = [per_conversation[c][t] for t in range(turns) for c in range(num_conversations)]

@@ -64,6 +64,20 @@ def test_seeded_and_deterministic(tok, make):
     assert a.total_tokens == sum(len(r) for r in a.requests)
 
 
+def test_support_chats_are_what_multi_turn_chat_sends(tok):
+    chats = wl.support_chats(tok, num_conversations=3, turns=4, system_tokens=120, seed=5)
+    assert chats == wl.support_chats(tok, 3, 4, 120, seed=5)
+    assert [len(u) for u in chats.users] == [len(r) for r in chats.replies] == [4, 4, 4]
+    w = wl.multi_turn_chat(tok, 3, 4, 120, seed=5, interleave=False)
+    for c in range(3):
+        for t in range(4):
+            text = w.texts[4 * c + t]  # conversation c, turn t: all said so far, no reply yet
+            assert chats.system in text and chats.users[c][t] in text
+            assert all(r in text for r in chats.replies[c][:t]) and chats.replies[c][t] not in text
+    with pytest.raises(ValueError, match="turns"):
+        wl.support_chats(tok, turns=0)
+
+
 def test_requests_are_the_tokenized_texts(tok):
     w = wl.rag(tok, num_requests=3)
     for text, ids in zip(w.texts, w.requests, strict=True):
