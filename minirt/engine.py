@@ -206,20 +206,6 @@ def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
     return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=generator))
 
 
-class _Pool(KVPool):
-    """The chapter-04 pool with a faster ``gather``: ``index_select`` on the flattened slots.
-
-    Same values as advanced indexing, but about 5x faster on CPU; with a 1024-token
-    cached prefix the gather is otherwise ~8% of the TTFT (``benchmarks/engine.py``).
-    """
-
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = slots.to(self.device)
-        flat, shape = idx.reshape(-1), (*idx.shape, self.kv_heads, self.head_dim)
-        return (torch.index_select(self.k[layer], 0, flat).view(shape),
-                torch.index_select(self.v[layer], 0, flat).view(shape))
-
-
 class _CountingLifecycle(Lifecycle):
     """The chapter-04 lifecycle, counting the tokens ``make_room`` evicts."""
 
@@ -263,7 +249,7 @@ class Engine:
                 or token_budget < 1:
             raise RequestError(f"token_budget must be a positive int, got {token_budget!r}")
         self.model, self.tokenizer = model, tokenizer
-        self.pool = _Pool.for_model(model, capacity, page_size)
+        self.pool = KVPool.for_model(model, capacity, page_size)
         self.cache = RadixCache(page_size=page_size, policy=policy)
         self.lifecycle = _CountingLifecycle(model, self.pool, self.cache)
         self.use_cache, self.token_budget, self.check = use_cache, token_budget, check

@@ -170,7 +170,7 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.
 
     With a mask (every prefill after a cached prefix has one) transformers copies each K/V
     head once per query head that shares it; torch's CPU kernel reads the shared head
-    directly (``enable_gqa``): same values, ~9 ms less of a 150 ms cached prefill
+    directly (``enable_gqa``): same values, 4-8 ms less of a ~140 ms cached prefill
     (``benchmarks/engine.py``). On CUDA a masked GQA call falls back to the slow math
     kernel, and some models add a bias or a softcap: there transformers' path is kept.
     """
