@@ -32,12 +32,8 @@ import torch
 
 from minirt.engine import Engine, Request, chat_script, serve_chat
 from minirt.model import ATTENTION, load_model
-from minirt.pool import KVPool, forward_paged
+from minirt.pool import KVPool, PageTable, forward_paged
 from minirt.workloads import few_shot, rag
-
-
-def median_time(fn, repeats: int) -> float:
-    return interleaved_medians({"t": fn}, repeats)["t"]
 
 
 def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
@@ -113,7 +109,6 @@ def ttft_table(bench: TTFTBench) -> list[dict]:
 def where_time_goes(model, repeats: int) -> None:
     """P=1024, S=64 forward through the pool: attention variants, profiler split, FLOP model."""
     from minirt.checks.ch06 import _prefill_flops
-    from minirt.pool import PageTable
 
     print("\n2. Where the cached time goes (P=1024, S=64, one forward through the pool; "
           f"median ms of {repeats}, timed in turn)")

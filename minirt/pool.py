@@ -283,14 +283,13 @@ class PagedBatch:
 
     new_slots: torch.Tensor    # [sum(new)] slots receiving the new tokens' K/V, request order
     new_rows: torch.Tensor     # [sum(new)] row r * q_len + column of each new token, same order
-    query_mask: torch.Tensor   # [B, q_len] True where a query column is a real token
     slot_matrix: torch.Tensor  # [B, kv_len] slot of every key position (pads: slot 0)
     key_mask: torch.Tensor     # [B, kv_len] True where a key position is real
     position_ids: torch.Tensor # [B, q_len] logical position of every query column
 
     @property
     def q_len(self) -> int:
-        return int(self.query_mask.shape[1])
+        return int(self.position_ids.shape[1])
 
     def to(self, device: torch.device | str) -> PagedBatch:
         """The same batch with its index tensors on ``device`` (moved once, not per layer)."""
@@ -308,19 +307,16 @@ class PagedBatch:
         b = len(tables)
         slot_matrix = torch.zeros(b, kv_len, dtype=torch.int64)
         key_mask = torch.zeros(b, kv_len, dtype=torch.bool)
-        query_mask = torch.zeros(b, q_len, dtype=torch.bool)
         position_ids = torch.zeros(b, q_len, dtype=torch.int64)
         new, rows = [], []
         for r, (table, n) in enumerate(zip(tables, num_new, strict=True)):
             total = len(table)
             slot_matrix[r, kv_len - total:] = table.slots
             key_mask[r, kv_len - total:] = True
-            query_mask[r, q_len - n:] = True
             position_ids[r, q_len - n:] = torch.arange(total - n, total)
             new.append(table.slots[total - n:])
             rows.append(torch.arange(r * q_len + q_len - n, (r + 1) * q_len))
-        return cls(torch.cat(new), torch.cat(rows), query_mask, slot_matrix, key_mask,
-                   position_ids)
+        return cls(torch.cat(new), torch.cat(rows), slot_matrix, key_mask, position_ids)
 
 
 class PoolLayer(CacheLayerMixin):
@@ -399,7 +395,7 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     batch = PagedBatch.build(tables, [x.numel() for x in ids])
     device = pool.device
     input_ids = torch.zeros(len(ids), batch.q_len, dtype=torch.int64)
-    input_ids[batch.query_mask] = torch.cat(ids)
+    input_ids.view(-1)[batch.new_rows] = torch.cat(ids)
     padded = not bool(batch.key_mask.all())
     kwargs = {
         "input_ids": input_ids.to(device),
