@@ -5,7 +5,7 @@
 For each tree size it builds a bushy LRU cache, shuffles the access order with random
 matches, then evicts leaves one at a time with ``RadixCache.evict`` (the heap: O(log n)
 per leaf; best of 3 rounds of up to 1,000 evictions) and with
-``minirt.eviction.evict_by_scan`` (a walk over every node per leaf: O(n)), and prints
+``minirt.simulate.evict_by_scan`` (a walk over every node per leaf: O(n)), and prints
 evictions per second for both and their ratio, in CPU time. It also checks that from the
 smallest to the largest tree the heap's cost per evicted leaf grows by at most 2x (exit
 status 1 if not).
@@ -22,7 +22,7 @@ import time
 import torch
 
 from minirt.cache import RadixCache
-from minirt.eviction import evict_by_scan
+from minirt.simulate import evict_by_scan
 
 
 def build_tree(num_nodes: int, seed: int = 0) -> RadixCache:

@@ -28,10 +28,8 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     2: ("radix", "viz", "workloads"),
     3: ("cache", "widgets"),
     4: ("pool", "lifecycle"),
-    5: ("eviction",),
+    5: ("eviction", "simulate"),
     6: ("engine",),
-    7: ("scheduler",),
-    8: ("hashcache",),
 }
 
 

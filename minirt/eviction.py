@@ -4,28 +4,19 @@ A policy gives every node a priority tuple; smaller tuples are evicted first. On
 unlocked leaves may go (a parent's K/V is the prefix its children depend on), and a
 parent whose last child goes becomes a leaf and a candidate in turn. ``LeafHeap``
 keeps the evictable leaves in a binary heap, so each eviction costs O(log n) rather
-than a walk over the whole tree (``evict_by_scan`` is that walk, kept as the baseline
-chapter 05 measures against).
+than a walk over the whole tree (``minirt.simulate.evict_by_scan`` is that walk, kept as the
+baseline chapter 05 measures against).
 
-``belady_hit_rate`` is Belady's offline bound at token granularity: the hit rate of an
-oracle that, after each request, keeps the tokens needed soonest. It bounds every
-policy that inserts what it computes; ``simulate`` replays a trace through a
-``RadixCache`` of a given capacity to measure a real policy.
+The offline side (replaying traces through a cache, Belady's bound, and the full-scan
+baseline) lives in ``minirt.simulate``, one layer above the cache, so imports run one
+way: radix <- eviction <- cache <- simulate.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
-import torch
-
-from .errors import OutOfMemoryError, PoolError, RequestError
 from .radix import RadixNode
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .cache import CacheStats, RadixCache
 
 __all__ = [
     "FIFO",
@@ -35,12 +26,9 @@ __all__ = [
     "EvictionPolicy",
     "LeafHeap",
     "Priority",
-    "belady_hit_rate",
-    "evict_by_scan",
     "is_evictable_leaf",
     "make_policy",
     "pack_key",
-    "simulate",
 ]
 
 
@@ -217,149 +205,3 @@ class LeafHeap:
         self._heap = [entry for _, entry in self._filed.values()]
         heapq.heapify(self._heap)
         self._rebuild_at = max(64, 2 * len(self._heap))
-
-
-def evict_by_scan(cache: RadixCache, num_tokens: int) -> torch.Tensor:
-    """The baseline ``RadixCache.evict`` improves on: find each victim by walking the tree.
-
-    Same result and same errors as ``cache.evict`` (same policy order), but every victim
-    costs a full walk, O(n) per evicted leaf. Only for measurement and teaching.
-    """
-    cache._check_evict_request(num_tokens)
-    freed: list[torch.Tensor] = []
-    count = 0
-    key = cache.policy.key
-    while count < num_tokens:
-        victim = min(
-            (node for node in cache.nodes() if is_evictable_leaf(node)), key=key, default=None
-        )
-        if victim is None:  # pragma: no cover - excluded by _check_evict_request
-            raise OutOfMemoryError("no evictable leaf left")
-        freed.append(victim.value)
-        count += victim.length
-        cache._remove_leaf(victim)
-    return torch.cat(freed) if freed else torch.empty(0, dtype=torch.int64)
-
-
-# --------------------------------------------------------------------------- offline optimum
-
-
-def _as_trace(trace: Iterable[Sequence[int] | torch.Tensor]) -> list[tuple[int, ...]]:
-    out = []
-    for request in trace:
-        ids = request.tolist() if isinstance(request, torch.Tensor) else list(request)
-        out.append(tuple(int(x) for x in ids))
-    return out
-
-
-def _check_capacity(trace: list[tuple[int, ...]], capacity: int) -> None:
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
-        raise PoolError(f"capacity must be a non-negative int, got {capacity!r}")
-    longest = max((len(r) for r in trace), default=0)
-    if longest > capacity:
-        raise RequestError(
-            f"a request of {longest} tokens does not fit a cache of capacity {capacity}: "
-            f"its K/V must all be resident while it runs"
-        )
-
-
-def belady_hit_rate(trace: Iterable[Sequence[int] | torch.Tensor], capacity: int) -> float:
-    """Belady's bound: the token hit rate of an oracle keeping ``capacity`` tokens between requests.
-
-    Token-level Belady: after serving a request (all its tokens are now computed),
-    evict the token whose next use lies furthest in the future, ties broken toward the
-    deeper token, until at most ``capacity`` tokens remain. A request that uses a token
-    also uses every token before it, so a parent's next use is never later than its
-    child's and the victim is always a leaf's last token: the cached set stays a tree.
-    With unit sizes this is optimal among policies that decide after each request what
-    to keep, so it bounds every node-level policy (LRU, LFU, ...) from above. A real
-    cache must also hold the whole running request, so it may fall short of the bound
-    even with perfect foresight (chapter 05 shows a trace). Hit rate = cached tokens
-    reused / all tokens requested.
-    """
-    requests = _as_trace(trace)
-    _check_capacity(requests, capacity)
-    # One trie node per distinct token prefix; paths[t] lists request t's nodes in order.
-    node_of: dict[tuple[int, int], int] = {}
-    depth: list[int] = []
-    parent: list[int] = []
-    paths: list[list[int]] = []
-    for request in requests:
-        path, prev = [], -1
-        for token in request:
-            nid = node_of.setdefault((prev, token), len(depth))
-            if nid == len(depth):
-                depth.append(len(path) + 1)
-                parent.append(prev)
-            path.append(nid)
-            prev = nid
-        paths.append(path)
-    never = len(requests)
-    uses: list[list[int]] = [[] for _ in depth]
-    for t in range(len(requests) - 1, -1, -1):  # each node's use times, latest first
-        for nid in paths[t]:
-            uses[nid].append(t)
-    cached = [False] * len(depth)
-    children_cached = [0] * len(depth)
-    next_use = [never] * len(depth)
-    heap: list[tuple[int, int, int]] = []  # (-next_use, -depth, node): max next use, deepest
-    size = hits = total = 0
-    for path in paths:
-        total += len(path)
-        reused = 0
-        while reused < len(path) and cached[path[reused]]:
-            reused += 1
-        hits += reused
-        for nid in path:
-            uses[nid].pop()  # t itself
-            next_use[nid] = uses[nid][-1] if uses[nid] else never
-            if not cached[nid]:
-                cached[nid] = True
-                size += 1
-                if parent[nid] >= 0:
-                    children_cached[parent[nid]] += 1
-            heapq.heappush(heap, (-next_use[nid], -depth[nid], nid))
-        while size > capacity:
-            neg_next, _, nid = heapq.heappop(heap)
-            if not cached[nid] or -neg_next != next_use[nid]:
-                continue  # stale entry
-            assert children_cached[nid] == 0, "Belady picked a token with a cached child"
-            cached[nid] = False
-            size -= 1
-            if parent[nid] >= 0:
-                children_cached[parent[nid]] -= 1
-    return hits / total if total else 0.0
-
-
-def simulate(
-    trace: Iterable[Sequence[int] | torch.Tensor],
-    capacity: int,
-    policy: str | EvictionPolicy = "lru",
-    page_size: int = 1,
-) -> CacheStats:
-    """Replay ``trace`` through a ``RadixCache`` holding at most ``capacity`` tokens.
-
-    Per request: match, lock the match (its K/V is in use), evict just enough for the
-    uncached part, insert, unlock. Slot indices are made up (each new token gets a
-    fresh one); only the hit statistics matter. Returns the cache's ``CacheStats``.
-    """
-    from .cache import RadixCache
-
-    requests = _as_trace(trace)
-    _check_capacity(requests, capacity)
-    cache = RadixCache(page_size=page_size, policy=policy)
-    next_slot = 0
-    for request in requests:
-        ids = torch.tensor(request, dtype=torch.int64)
-        match = cache.match_prefix(ids)
-        aligned = len(request) // page_size * page_size
-        need = aligned - match.cached_len
-        cache.lock(match.handle)
-        overflow = cache.total_size + need - capacity
-        if overflow > 0:
-            cache.evict(overflow)
-        fresh = torch.arange(next_slot, next_slot + need, dtype=torch.int64)
-        next_slot += need
-        cache.insert_prefix(ids[:aligned], torch.cat([match.indices, fresh]))
-        cache.unlock(match.handle)
-    return cache.stats

@@ -46,3 +46,58 @@ def test_chapter_map_is_consistent():
     assert book.introduced_in("model") == 0 and book.introduced_in("cache") == 3
     with pytest.raises(KeyError):
         book.introduced_in("nonexistent")
+
+
+def _minirt_imports(path) -> set[str]:
+    """The minirt modules a source file imports, anywhere in it (top level, functions,
+    TYPE_CHECKING blocks): ``from .x import``, ``from minirt.x import``, ``import minirt.x``."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level == 1 and mod:
+                found.add(mod.split(".")[0])
+            elif node.level == 0 and mod.startswith("minirt."):
+                found.add(mod.split(".")[1])
+            elif node.level == 1 or mod == "minirt":  # from . import x / from minirt import x
+                found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("minirt."))
+    return found
+
+
+def test_chapter_map_names_existing_modules_only():
+    from pathlib import Path
+
+    pkg = Path(book.__file__).parent
+    for chapter, modules in book.CHAPTER_MODULES.items():
+        for mod in modules:
+            exists = (pkg / f"{mod}.py").exists() or (pkg / mod / "__init__.py").exists()
+            assert exists, f"CHAPTER_MODULES[{chapter}] names minirt.{mod}, which does not exist"
+
+
+def test_imports_run_one_way():
+    """No cycle among minirt's modules, counting imports inside functions and TYPE_CHECKING."""
+    from pathlib import Path
+
+    pkg = Path(book.__file__).parent
+    files = [p for p in pkg.glob("*.py") if p.stem != "__init__"]
+    graph = {p.stem: _minirt_imports(p) - {p.stem} for p in files}
+    graph = {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep] if dep in path else [mod, dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])

@@ -18,12 +18,10 @@ from minirt.eviction import (
     LRU,
     EvictionPolicy,
     Priority,
-    belady_hit_rate,
-    evict_by_scan,
     make_policy,
     pack_key,
-    simulate,
 )
+from minirt.simulate import belady_hit_rate, evict_by_scan, simulate
 
 
 def build(policy="lru", page_size=1):

@@ -13,8 +13,8 @@ import random
 from collections.abc import Callable, Sequence
 
 from ..cache import RadixCache, insert_fresh
-from ..eviction import belady_hit_rate
 from ..radix import RadixNode
+from ..simulate import belady_hit_rate
 from ._common import as_int_list, expect, passed
 
 __all__ = ["check_belady_hits", "check_eviction_order", "check_orphaned_slots", "check_refcounts"]
