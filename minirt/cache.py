@@ -373,6 +373,12 @@ class RadixCache:
     # ------------------------------------------------------------------ inspection
 
     @property
+    def leaf_heap(self) -> LeafHeap:
+        """The heap of eviction candidates, to inspect (``entries()``, ``live_nodes()``,
+        ``rebuild_threshold``, ``len``); only the cache itself pushes and pops it."""
+        return self._heap
+
+    @property
     def size_info(self) -> SizeInfo:
         return SizeInfo(self._evictable, self._protected)
 

@@ -15,6 +15,7 @@ way: radix <- eviction <- cache <- simulate.
 from __future__ import annotations
 
 import heapq
+import sys
 
 from .radix import RadixNode
 
@@ -29,6 +30,7 @@ __all__ = [
     "is_evictable_leaf",
     "make_policy",
     "pack_key",
+    "unpack_key",
 ]
 
 
@@ -122,6 +124,22 @@ def pack_key(key: tuple[int, ...]) -> int:
     return packed
 
 
+def unpack_key(packed: int, fields: int) -> tuple[int, ...]:
+    """The key tuple of ``fields`` fields that ``pack_key`` turned into ``packed``.
+
+    For reading heap entries (``LeafHeap.entries``); ValueError if ``packed`` does not
+    fit in ``fields`` fields.
+    """
+    if not isinstance(fields, int) or isinstance(fields, bool) or fields < 1:
+        raise ValueError(f"fields must be a positive int, got {fields!r}")
+    if not isinstance(packed, int) or packed < 0 or packed >> (_FIELD_BITS * fields):
+        raise ValueError(f"{packed!r} is not a key of {fields} packed 64-bit fields")
+    return tuple(
+        ((packed >> (_FIELD_BITS * (fields - 1 - i))) & _FIELD_MASK) - _OFFSET
+        for i in range(fields)
+    )
+
+
 class LeafHeap:
     """A min-heap of the evictable leaves in policy order, with lazy invalidation.
 
@@ -138,12 +156,13 @@ class LeafHeap:
     than a heap of tuples once it outgrows the CPU caches (benchmarks/eviction.py).
     """
 
-    def __init__(self, policy: EvictionPolicy) -> None:
+    def __init__(self, policy: EvictionPolicy, *, rebuild: bool = True) -> None:
         self.policy = policy
         self._heap: list[int] = []
         # node id -> (node, its latest entry), for nodes with an entry in the heap
         self._filed: dict[int, tuple[RadixNode, int]] = {}
-        self._rebuild_at = 64
+        self._rebuilds = rebuild  # False only to show what rebuilds prevent (chapter 05a)
+        self._rebuild_at = 64 if rebuild else sys.maxsize
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -205,3 +224,22 @@ class LeafHeap:
         self._heap = [entry for _, entry in self._filed.values()]
         heapq.heapify(self._heap)
         self._rebuild_at = max(64, 2 * len(self._heap))
+
+    # ------------------------------------------------------------------ read-only views
+
+    def entries(self) -> list[int]:
+        """A copy of every entry in the heap, smallest first, as packed keys (``unpack_key``).
+
+        Includes entries that no longer count (an older entry of a node filed again since,
+        a node locked or given a child since); ``live_nodes`` says which nodes still count.
+        """
+        return sorted(self._heap)
+
+    @property
+    def rebuild_threshold(self) -> int | None:
+        """The size above which the next push rebuilds the heap, or None if it never does.
+
+        64 at first, then ``max(64, 2k)`` after a rebuild that kept ``k`` entries; None for
+        a heap made with ``rebuild=False``.
+        """
+        return self._rebuild_at if self._rebuilds else None
