@@ -39,11 +39,19 @@ def _outputs_text(cell) -> str:
     return json.dumps(cell.get("outputs", []))
 
 
+# An appendix to chapter NN is chapters/NNx_name.ipynb (e.g. 05a): no exercises of its own.
+APPENDIX = re.compile(r"^(\d\d)[a-z]_")
+
+
 def test_every_chapter_has_an_exercise_and_a_solution():
-    chapters = {p.name for p in (ROOT / "chapters").glob("*.ipynb")}
+    notebooks = {p.name for p in (ROOT / "chapters").glob("*.ipynb")}
+    chapters = {name for name in notebooks if not APPENDIX.match(name)}
     assert chapters, "no chapters yet"
     assert chapters == {p.name for p in (ROOT / "solutions").glob("*.ipynb")}
     assert chapters == {p.name for p in (ROOT / "exercises").glob("*.ipynb")}
+    numbers = {name[:2] for name in chapters}
+    for appendix in notebooks - chapters:  # an appendix follows a chapter that exists
+        assert APPENDIX.match(appendix).group(1) in numbers, f"{appendix} has no chapter"
 
 
 @pytest.mark.parametrize("path", EXECUTED, ids=_ids(EXECUTED))
