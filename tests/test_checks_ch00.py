@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from exercise_util import accepts, rejects
 
 import minirt.checks as checks
 from minirt.checks import ch00
-
-from exercise_util import accepts, rejects
 
 # ---------------------------------------------------------------- Exercise 0.1
 

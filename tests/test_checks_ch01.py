@@ -7,11 +7,10 @@ import re
 
 import pytest
 import torch
+from exercise_util import accepts, rejects
 
 from minirt import checks
 from minirt.checks.ch01 import ToyModel, toy_model
-
-from exercise_util import accepts, rejects
 
 # ---- Exercise 1.1 -------------------------------------------------------------------------
 

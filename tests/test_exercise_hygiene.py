@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from exercise_util import HEADING, ROOT, solution_regions, squash
 
 CHAPTERS = sorted(p.name for p in (ROOT / "solutions").glob("0[0-6]_*.ipynb"))
