@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minirt.checks import _common
 from minirt.model import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _fresh_checker_attempts():
+    """Every test starts with no failed checker attempts (hints escalate per exercise)."""
+    _common.reset_attempts()
+    yield
+    _common.reset_attempts()
 
 
 @pytest.fixture(scope="module")

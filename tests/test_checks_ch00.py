@@ -3,52 +3,59 @@
 from __future__ import annotations
 
 import pytest
+from exercise_util import accepts, rejects
 
 import minirt.checks as checks
 from minirt.checks import ch00
 
 # ---------------------------------------------------------------- Exercise 0.1
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+
+def _lcp(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
-def kv_bytes_right(config):
-    return (2 * config["num_hidden_layers"] * config["num_key_value_heads"]
-            * config["head_dim"] * _BYTES[config["dtype"]])
+def keep_last_right(requests):
+    total, kept = 0, []
+    for r in requests:
+        total += len(r) - _lcp(r, kept)
+        kept = r
+    return total
 
 
-def kv_bytes_query_heads(config):  # counts query heads: forgets grouped-query attention
-    return (2 * config["num_hidden_layers"] * config["num_attention_heads"]
-            * config["head_dim"] * _BYTES[config["dtype"]])
+def keep_last_any_earlier(requests):  # reuses from every earlier request: the unlimited cache
+    return ch00._prefill_waste(requests)[1]
 
 
-def kv_bytes_keys_only(config):  # forgets V
-    return kv_bytes_right(config) // 2
+def keep_last_first_only(requests):  # keeps the first request forever
+    return sum(len(r) - _lcp(r, requests[0]) for r in requests[1:]) + (
+        len(requests[0]) if requests else 0)
 
 
-def kv_bytes_always_bf16(config):  # ignores the dtype
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2
+def keep_last_shared_tokens(requests):  # counts equal tokens at equal positions, not prefixes
+    total, kept = 0, []
+    for r in requests:
+        total += sum(1 for i, t in enumerate(r) if i >= len(kept) or kept[i] != t)
+        kept = r
+    return total
 
 
-def kv_bytes_float(config):  # right value, but a float
-    return float(kv_bytes_right(config))
+def test_keep_last_accepts_reference(capsys):
+    accepts(checks.check_keep_last_prefill, keep_last_right, "0.1", capsys)
 
 
-def test_kv_bytes_accepts_reference(capsys):
-    checks.check_kv_bytes_per_token(kv_bytes_right)
-    out = capsys.readouterr().out
-    assert out.startswith("Exercise 0.1 passed") and "131072 bytes" in out
+@pytest.mark.parametrize("wrong", [keep_last_any_earlier, keep_last_first_only,
+                                   keep_last_shared_tokens])
+def test_keep_last_rejects(wrong):
+    rejects(checks.check_keep_last_prefill, wrong, "0.1", contains="expected")
 
 
-@pytest.mark.parametrize("wrong", [kv_bytes_query_heads, kv_bytes_keys_only,
-                                   kv_bytes_always_bf16, kv_bytes_float])
-def test_kv_bytes_rejects(wrong):
-    with pytest.raises(AssertionError, match="kv_bytes_per_token"):
-        checks.check_kv_bytes_per_token(wrong)
-
-
-def test_llama_3_8b_like_is_131072():
-    assert ch00._kv_bytes_per_token(ch00.KV_CONFIGS[0][1]) == 131072
+def test_keep_last_by_hand():
+    assert keep_last_right([[1, 2, 3, 4], [9, 9], [1, 2, 3, 5]]) == 10
+    assert ch00._keep_last_prefill([[1, 2, 3, 4], [9, 9], [1, 2, 3, 5]]) == 10
 
 
 # ---------------------------------------------------------------- Exercise 0.2
@@ -92,8 +99,7 @@ def test_fit_accepts_reference(capsys):
 @pytest.mark.parametrize("wrong", [fit_forgets_shared_copy, fit_rounds_up,
                                    fit_negative_when_short, fit_ignores_own_tokens])
 def test_fit_rejects(wrong):
-    with pytest.raises(AssertionError, match="requests_that_fit"):
-        checks.check_requests_that_fit(wrong)
+    rejects(checks.check_requests_that_fit, wrong, "0.2", contains="requests_that_fit(")
 
 
 def test_fit_by_hand():
@@ -139,8 +145,7 @@ def test_waste_accepts_reference(capsys):
 @pytest.mark.parametrize("wrong", [waste_token_set, waste_common_prefix_of_all,
                                    waste_distinct_requests, waste_list])
 def test_waste_rejects(wrong):
-    with pytest.raises(AssertionError, match="prefill_waste"):
-        checks.check_prefill_waste(wrong)
+    rejects(checks.check_prefill_waste, wrong, "0.3", contains="prefill_waste(")
 
 
 def test_waste_reference_by_hand():
@@ -150,34 +155,37 @@ def test_waste_reference_by_hand():
 
 # ---------------------------------------------------------------- Exercise 0.4
 
-def system_right(system_len, turns, user_len):
-    return turns * (system_len + user_len), system_len + turns * user_len
+
+def order_right(requests):
+    return sorted(range(len(requests)), key=lambda i: requests[i])
 
 
-def system_ignores_user(system_len, turns, user_len):
-    return turns * system_len, system_len
+def order_arrival(requests):
+    return list(range(len(requests)))
 
 
-def system_forgets_first_prefill(system_len, turns, user_len):
-    return turns * (system_len + user_len), turns * user_len
+def order_by_length(requests):
+    return sorted(range(len(requests)), key=lambda i: len(requests[i]))
 
 
-def system_caches_user_too(system_len, turns, user_len):
-    return turns * (system_len + user_len), system_len + user_len
+def order_by_first_token(requests):  # groups by the first token only; ties keep arrival order
+    return sorted(range(len(requests)), key=lambda i: requests[i][:1])
 
 
-def test_system_accepts_reference(capsys):
-    checks.check_system_prompt_prefill(system_right)
-    out = capsys.readouterr().out
-    assert out.startswith("Exercise 0.4 passed") and "102400" in out and "101376 saved" in out
+def order_not_a_permutation(requests):
+    return [0] * len(requests)
 
 
-@pytest.mark.parametrize("wrong", [system_ignores_user, system_forgets_first_prefill,
-                                   system_caches_user_too])
-def test_system_rejects(wrong):
-    with pytest.raises(AssertionError, match="system_prompt_prefill"):
-        checks.check_system_prompt_prefill(wrong)
+def test_order_accepts_reference(capsys):
+    accepts(checks.check_best_order, order_right, "0.4", capsys)
+
+
+@pytest.mark.parametrize("wrong", [order_arrival, order_by_length, order_by_first_token,
+                                   order_not_a_permutation])
+def test_order_rejects(wrong):
+    rejects(checks.check_best_order, wrong, "0.4", contains="best_order(")
 
 
 def test_all_checkers_exported():
-    assert set(ch00.__all__) <= set(dir(checks))
+    for name in ch00.__all__:
+        assert getattr(checks, name) is getattr(ch00, name)

@@ -2,37 +2,37 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
+from exercise_util import accepts, rejects
 
 from minirt.checks import ch02
-from minirt.radix import RadixNode, token_key
+from minirt.radix import RadixNode
 
 # --------------------------------------------------------------------------- references
 # (the same code as solutions/02_radix_tree.ipynb)
 
 
-def get_match_len(key: torch.Tensor, ids: torch.Tensor, page_size: int) -> int:
-    n = min(len(key), len(ids))
-    differ = (key[:n] != ids[:n]).nonzero()
-    common = n if len(differ) == 0 else int(differ[0, 0])
-    return common - common % page_size
-
-
-def split_at(node: RadixNode, pos: int) -> RadixNode:
-    if not 0 < pos < node.length or pos % node.page_size:
-        raise ValueError(f"cannot split a node of length {node.length} at {pos}")
-    upper = RadixNode(node.key_fn, node.key[:pos], node.value[:pos], node.created)
-    upper.ref_count = node.ref_count
-    upper.last_access = node.last_access
+def merge(node):
+    if node.parent is None or len(node.children) != 1:
+        raise ValueError("merge needs a non-root node with exactly one child")
+    (child,) = node.children.values()
+    if child.ref_count != node.ref_count:
+        raise ValueError("different ref counts")
     parent = node.parent
-    parent.children[node.key_fn(node.key)] = upper
-    upper.parent = parent
-    node.key, node.value = node.key[pos:], node.value[pos:]
-    upper.children[node.key_fn(node.key)] = node
-    node.parent = upper
+    child.key = torch.cat([node.key, child.key])
+    child.value = torch.cat([node.value, child.value])
+    child.last_access = max(child.last_access, node.last_access)
+    parent.children[node.key_fn(child.key)] = child
+    child.parent = parent
+    node.parent, node.children = None, {}
+    return child
+
+
+def split_with_stats(node, pos, stats):
+    upper = node.split_at(pos)
+    hits = stats[node.id]
+    stats[upper.id], stats[node.id] = hits[:pos], hits[pos:]
     return upper
 
 
@@ -63,119 +63,125 @@ def count_nodes(requests):
     return len(children) - 1, sum(boundary), trie_hops, radix_hops
 
 
-def build_tree(requests):
-    root, slots = RadixNode(token_key), itertools.count()
-    for r in requests:
-        ids = torch.tensor(r)
-        node, pos = root, 0
-        while pos < len(ids):
-            child = node.children.get(token_key(ids[pos:]))
-            if child is None:
+def insert_pages(root, ids, slots, *, split_at_end=True, return_slots=False,
+                 return_new=False):
+    page = root.page_size
+    ids_t, slots_t = torch.tensor(ids), torch.tensor(slots)
+    node, pos = root, 0
+    while pos < len(ids):
+        child = node.children.get(root.key_fn(ids_t[pos:]))
+        if child is None:
+            break
+        m = child.get_match_len(ids_t[pos:])
+        if m < child.length:
+            if pos + m == len(ids) and not split_at_end:
+                pos += m
                 break
-            m = child.get_match_len(ids[pos:])
-            if m < child.length:
-                child = child.split_at(m)
-            node, pos = child, pos + m
-        if pos < len(ids):
-            leaf = RadixNode(token_key, ids[pos:],
-                             torch.tensor([next(slots) for _ in range(len(ids) - pos)]))
-            leaf.parent = node
-            node.children[token_key(leaf.key)] = leaf
-    return root
+            child = child.split_at(m)
+        node, pos = child, pos + m
+    if pos < len(ids):
+        leaf = RadixNode(root.key_fn, ids_t[pos:], slots_t[pos:])
+        leaf.parent = node
+        node.children[root.key_fn(leaf.key)] = leaf
+    if return_slots:
+        return slots[:pos]
+    if return_new:
+        return [s // page for s in slots[pos::page]]
+    return [s // page for s in slots[:pos:page]]
 
 
 def test_references_pass(capsys):
-    ch02.check_get_match_len(get_match_len)
-    ch02.check_split_at(split_at)
-    ch02.check_node_counts(count_nodes)
-    ch02.check_abc_tree(build_tree)
-    out = capsys.readouterr().out.splitlines()
-    assert [line.split(" passed")[0] for line in out] == [
-        "Exercise 2.1", "Exercise 2.2", "Exercise 2.3", "Exercise 2.4"]
+    accepts(ch02.check_merge, merge, "2.1", capsys)
+    accepts(ch02.check_split_with_stats, split_with_stats, "2.2", capsys)
+    accepts(ch02.check_node_counts, count_nodes, "2.3", capsys)
+    accepts(ch02.check_insert_pages, insert_pages, "2.4", capsys)
 
 
-def test_the_library_passes_too():
-    ch02.check_get_match_len(lambda k, i, p: RadixNode(
-        token_key if p == 1 else __import__("minirt.radix").radix.page_key(p), k,
-        torch.zeros_like(k)).get_match_len(i))
-    ch02.check_split_at(lambda node, pos: node.split_at(pos))
+def test_a_pass_after_failures_resets_the_hint(capsys):
+    for _ in range(2):
+        with pytest.raises(AssertionError):
+            ch02.check_merge(lambda node: node)
+    accepts(ch02.check_merge, merge, "2.1", capsys)
+    with pytest.raises(AssertionError) as again:
+        ch02.check_merge(lambda node: node)
+    assert "Hint" not in str(again.value)
 
 
 # --------------------------------------------------------------------------- mutants
 
 
-def match_no_rounding(key, ids, page_size):
-    return get_match_len(key, ids, 1)
+def merge_upper_survives(node):  # the upper object survives: handles to the child go stale
+    (child,) = node.children.values()
+    node.key = torch.cat([node.key, child.key])
+    node.value = torch.cat([node.value, child.value])
+    node.children = dict(child.children)
+    for g in node.children.values():
+        g.parent = node
+    child.parent, child.children = None, {}
+    return node
 
 
-def match_round_up(key, ids, page_size):
-    n = get_match_len(key, ids, 1)
-    return -(-n // page_size) * page_size
+def merge_forgets_grandchildren(node):
+    (child,) = node.children.values()
+    child.key = torch.cat([node.key, child.key])
+    child.value = torch.cat([node.value, child.value])
+    node.parent.children[node.key_fn(child.key)] = child
+    child.parent, child.children = node.parent, {}
+    node.parent, node.children = None, {}
+    return child
 
 
-def match_counts_all_equal(key, ids, page_size):  # counts equal positions, not the prefix
-    n = min(len(key), len(ids))
-    return int((key[:n] == ids[:n]).sum()) // page_size * page_size
+def merge_never_refuses(node):
+    if node.parent is None:
+        return node
+    (child, *_) = node.children.values()
+    child.key = torch.cat([node.key, child.key])
+    child.value = torch.cat([node.value, child.value])
+    node.parent.children[node.key_fn(child.key)] = child
+    child.parent = node.parent
+    node.parent, node.children = None, {}
+    return child
 
 
-def match_assumes_ids_longer(key, ids, page_size):
-    differ = (key != ids[: len(key)]).nonzero()
-    n = len(key) if len(differ) == 0 else int(differ[0, 0])
-    return n - n % page_size
+def merge_keeps_node_attached(node):
+    (child,) = node.children.values()
+    if child.ref_count != node.ref_count:
+        raise ValueError
+    child.key = torch.cat([node.key, child.key])
+    child.value = torch.cat([node.value, child.value])
+    node.parent.children[node.key_fn(child.key)] = child
+    child.parent = node.parent
+    return child
 
 
-@pytest.mark.parametrize("wrong", [match_no_rounding, match_round_up, match_counts_all_equal,
-                                   match_assumes_ids_longer])
-def test_get_match_len_mutants_rejected(wrong):
-    with pytest.raises(AssertionError, match="get_match_len"):
-        ch02.check_get_match_len(wrong)
+@pytest.mark.parametrize("wrong", [merge_upper_survives, merge_forgets_grandchildren,
+                                   merge_never_refuses, merge_keeps_node_attached])
+def test_merge_mutants_rejected(wrong):
+    rejects(ch02.check_merge, wrong, "2.1", contains="merge(")
 
 
-def split_returns_lower(node, pos):  # roles swapped: the old object keeps the prefix
-    lower = RadixNode(node.key_fn, node.key[pos:], node.value[pos:])
-    lower.children, node.children = node.children, {}
-    for c in lower.children.values():
-        c.parent = lower
-    node.key, node.value = node.key[:pos], node.value[:pos]
-    node.children[node.key_fn(lower.key)] = lower
-    lower.parent = node
-    return lower
-
-
-def split_copies(node, pos):
-    upper = split_at(node, pos)
-    upper.key, upper.value = upper.key.clone(), upper.value.clone()
+def stats_swapped(node, pos, stats):  # the old node object keeps the upper half's numbers
+    upper = node.split_at(pos)
+    hits = stats[node.id]
+    stats[upper.id], stats[node.id] = hits[pos:], hits[:pos]
     return upper
 
 
-def split_forgets_parent(node, pos):
-    if not 0 < pos < node.length:
-        raise ValueError("bad pos")
-    upper = RadixNode(node.key_fn, node.key[:pos], node.value[:pos])
-    upper.ref_count = node.ref_count
-    upper.parent = node.parent
-    node.key, node.value = node.key[pos:], node.value[pos:]
-    upper.children[node.key_fn(node.key)] = node
-    node.parent = upper
+def stats_not_moved(node, pos, stats):
+    return node.split_at(pos)
+
+
+def stats_moved_before_checking(node, pos, stats):  # a refused split leaves the stats changed
+    hits = stats.pop(node.id)
+    stats[node.id] = hits[pos:]
+    upper = node.split_at(pos)
+    stats[upper.id] = hits[:pos]
     return upper
 
 
-def split_drops_ref_count(node, pos):
-    upper = split_at(node, pos)
-    upper.ref_count = 0
-    return upper
-
-
-def split_no_validation(node, pos):
-    pos = max(1, min(pos, node.length - 1))
-    return split_at(node, pos - pos % node.page_size or node.page_size)
-
-
-@pytest.mark.parametrize("wrong", [split_returns_lower, split_copies, split_forgets_parent,
-                                   split_drops_ref_count, split_no_validation])
-def test_split_at_mutants_rejected(wrong):
-    with pytest.raises(AssertionError, match="split_at"):
-        ch02.check_split_at(wrong)
+@pytest.mark.parametrize("wrong", [stats_swapped, stats_not_moved, stats_moved_before_checking])
+def test_split_with_stats_mutants_rejected(wrong):
+    rejects(ch02.check_split_with_stats, wrong, "2.2", contains="split_with_stats(")
 
 
 def counts_radix_forks_only(requests):  # forgets that a request's end ends a node
@@ -210,86 +216,21 @@ def counts_total_tokens_as_trie_nodes(requests):
 @pytest.mark.parametrize("wrong", [counts_radix_forks_only, counts_root_too, counts_leaves_only,
                                    counts_total_tokens_as_trie_nodes])
 def test_node_count_mutants_rejected(wrong):
-    with pytest.raises(AssertionError, match="count_nodes"):
-        ch02.check_node_counts(wrong)
+    rejects(ch02.check_node_counts, wrong, "2.3", contains="count_nodes(")
 
 
-def build_no_split_at_end(requests):  # a request ending inside a node is ignored
-    root, slots = RadixNode(token_key), itertools.count()
-    for r in requests:
-        ids = torch.tensor(r)
-        node, pos = root, 0
-        while pos < len(ids):
-            child = node.children.get(token_key(ids[pos:]))
-            if child is None:
-                break
-            m = child.get_match_len(ids[pos:])
-            if m == len(ids) - pos and m < child.length:
-                pos = len(ids)
-                break
-            if m < child.length:
-                child = child.split_at(m)
-            node, pos = child, pos + m
-        if pos < len(ids):
-            leaf = RadixNode(token_key, ids[pos:],
-                             torch.tensor([next(slots) for _ in range(len(ids) - pos)]))
-            leaf.parent = node
-            node.children[token_key(leaf.key)] = leaf
-    return root
-
-
-def build_allocates_whole_request(requests):  # slots for every token, uses only the tail
-    root, slots = RadixNode(token_key), itertools.count()
-    for r in requests:
-        ids = torch.tensor(r)
-        fresh = torch.tensor([next(slots) for _ in range(len(ids))])
-        node, pos = root, 0
-        while pos < len(ids):
-            child = node.children.get(token_key(ids[pos:]))
-            if child is None:
-                break
-            m = child.get_match_len(ids[pos:])
-            if m < child.length:
-                child = child.split_at(m)
-            node, pos = child, pos + m
-        if pos < len(ids):
-            leaf = RadixNode(token_key, ids[pos:], fresh[pos:])
-            leaf.parent = node
-            node.children[token_key(leaf.key)] = leaf
-    return root
-
-
-def build_new_leaf_at_root_level(requests):  # splits, but hangs the rest under the wrong node
-    root, slots = RadixNode(token_key), itertools.count()
-    for r in requests:
-        ids = torch.tensor(r)
-        node, pos, parent = root, 0, root
-        while pos < len(ids):
-            child = node.children.get(token_key(ids[pos:]))
-            if child is None:
-                break
-            m = child.get_match_len(ids[pos:])
-            if m < child.length:
-                child = child.split_at(m)
-            parent, node, pos = node, child, pos + m
-        if pos < len(ids):
-            leaf = RadixNode(token_key, ids[pos:],
-                             torch.tensor([next(slots) for _ in range(len(ids) - pos)]))
-            leaf.parent = parent
-            parent.children[token_key(leaf.key)] = leaf
-    return root
-
-
-@pytest.mark.parametrize("wrong", [build_no_split_at_end, build_allocates_whole_request,
-                                   build_new_leaf_at_root_level])
-def test_build_tree_mutants_rejected(wrong):
-    with pytest.raises(AssertionError, match="build_tree"):
-        ch02.check_abc_tree(wrong)
+@pytest.mark.parametrize("wrong", [
+    lambda root, ids, slots: insert_pages(root, ids, slots, split_at_end=False),
+    lambda root, ids, slots: insert_pages(root, ids, slots, return_slots=True),
+    lambda root, ids, slots: insert_pages(root, ids, slots, return_new=True),
+])
+def test_insert_pages_mutants_rejected(wrong):
+    rejects(ch02.check_insert_pages, wrong, "2.4", contains="insert_pages(")
 
 
 def test_crashes_become_assertions_naming_the_input():
-    def crashes(key, ids, page_size):
+    def crashes(root, ids, slots):
         raise IndexError("oops")
 
-    with pytest.raises(AssertionError, match=r"get_match_len\(key=.*raised IndexError"):
-        ch02.check_get_match_len(crashes)
+    with pytest.raises(AssertionError, match=r"insert_pages\(root, ids=.*raised IndexError"):
+        ch02.check_insert_pages(crashes)

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from exercise_util import accepts, rejects
 
 from minirt.checks import ch04
-from minirt.errors import OutOfMemoryError
 
 # ----------------------------------------------------------------------------- 4.1
 
@@ -69,94 +69,51 @@ def test_lock_path_accepts_reference(capsys):
 
 
 @pytest.mark.parametrize("mutant, words", [
-    (only_the_node, "every ancestor"),
-    (stops_at_locked_ancestor, "already locked"),
-    (counts_every_change, "moves nothing"),
+    (only_the_node, "has ref_count"),
+    (stops_at_locked_ancestor, "has ref_count"),
+    (counts_every_change, "tokens moved"),
     (skips_the_root, "root has ref_count"),
 ])
 def test_lock_path_rejects_mutants(mutant, words):
-    with pytest.raises(AssertionError, match=words):
-        ch04.check_lock_path(mutant)
+    assert words in rejects(ch04.check_lock_path, mutant, "4.1")
 
 
 # ----------------------------------------------------------------------------- 4.2
 
 
-def finish(pool, cache, req):
+def slot_fates(req, tree_has, page_size, *, ignore_tree=False, no_rounding=False,
+               tail_in_table_only=False):
+    slots = req.page_table.slots.tolist()
     n = req.kv_len
-    slots = req.page_table.slots[:n]
-    res = cache.insert_prefix(req.tokens[:n], slots)
-    aligned = res.indices.numel()
-    req.page_table.repoint(res.indices)
-    pool.free(slots[req.cached_len:res.cached_len])
-    cache.unlock(req.handle)
-    pool.free(req.private[aligned - req.cached_len:])
+    aligned = n if no_rounding else n - n % page_size
+    start = req.cached_len if ignore_tree else tree_has
+    tail = req.private.tolist()[aligned - req.cached_len:]
+    if tail_in_table_only:
+        tail = slots[aligned:n]
+    return {"kept": slots[: req.cached_len], "duplicate": slots[req.cached_len:start],
+            "cached": slots[start:aligned], "tail": tail}
 
 
-def finish_forgets_duplicates(pool, cache, req):
-    n = req.kv_len
-    res = cache.insert_prefix(req.tokens[:n], req.page_table.slots[:n])
-    cache.unlock(req.handle)
-    pool.free(req.private[res.indices.numel() - req.cached_len:])
+def test_slot_fates_accepts_reference(capsys):
+    accepts(ch04.check_slot_fates, slot_fates, "4.2", capsys)
 
 
-def finish_frees_the_trees_copy(pool, cache, req):
-    n = req.kv_len
-    res = cache.insert_prefix(req.tokens[:n], req.page_table.slots[:n])
-    pool.free(res.indices[req.cached_len:res.cached_len])  # the tree's slots, not its own
-    cache.unlock(req.handle)
-    pool.free(req.private[res.indices.numel() - req.cached_len:])
+@pytest.mark.parametrize("kwargs", [dict(ignore_tree=True), dict(no_rounding=True),
+                                    dict(tail_in_table_only=True)])
+def test_slot_fates_rejects_mutants(kwargs):
+    rejects(ch04.check_slot_fates, lambda r, t, p: slot_fates(r, t, p, **kwargs), "4.2",
+            contains="slot_fates(req")
 
 
-def finish_forgets_the_tail(pool, cache, req):
-    n = req.kv_len
-    slots = req.page_table.slots[:n]
-    res = cache.insert_prefix(req.tokens[:n], slots)
-    pool.free(slots[req.cached_len:res.cached_len])
-    cache.unlock(req.handle)
-
-
-def finish_forgets_unlock(pool, cache, req):
-    n = req.kv_len
-    slots = req.page_table.slots[:n]
-    res = cache.insert_prefix(req.tokens[:n], slots)
-    pool.free(slots[req.cached_len:res.cached_len])
-    pool.free(req.private[res.indices.numel() - req.cached_len:])
-
-
-def finish_frees_everything_private(pool, cache, req):
-    """Frees all its own slots after inserting them: the tree now owns freed slots."""
-    n = req.kv_len
-    cache.insert_prefix(req.tokens[:n], req.page_table.slots[:n])
-    cache.unlock(req.handle)
-    pool.free(req.private)
-
-
-def finish_inserts_the_prompt_only(pool, cache, req):
-    n = req.prompt.numel()
-    slots = req.page_table.slots[:n]
-    res = cache.insert_prefix(req.prompt, slots)
-    pool.free(slots[req.cached_len:res.cached_len])
-    cache.unlock(req.handle)
-    pool.free(req.private[res.indices.numel() - req.cached_len:])
-
-
-def test_finish_accepts_reference(capsys):
-    ch04.check_finish(finish)
-    assert "Exercise 4.2 passed" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("mutant, words", [
-    (finish_forgets_duplicates, "leak"),
-    (finish_frees_the_trees_copy, "twice|free and still in use|double free"),
-    (finish_forgets_the_tail, "leak"),
-    (finish_forgets_unlock, "lock"),
-    (finish_frees_everything_private, "double free|free and still in use|twice"),
-    (finish_inserts_the_prompt_only, "tree after your finish|free pages"),
-])
-def test_finish_rejects_mutants(mutant, words):
-    with pytest.raises(AssertionError, match=words):
-        ch04.check_finish(mutant)
+@pytest.mark.parametrize("name, build", ch04.FINISH_SCENARIOS)
+def test_slot_fates_reference_agrees_with_finish(name, build, one_thread):
+    lc, req = build()
+    fates = ch04.slot_fates_reference(req, ch04._tree_has(lc, req), lc.pool.page_size)
+    lc.finish(req)
+    free, cached = set(lc.pool.free_slots().tolist()), set(lc.cache.all_values().tolist())
+    assert set(fates["duplicate"] + fates["tail"]) <= free
+    assert set(fates["kept"] + fates["cached"]) <= cached
+    assert not set(fates["duplicate"] + fates["tail"]) & cached
 
 
 # ----------------------------------------------------------------------------- 4.3
@@ -204,61 +161,45 @@ def _changed(step, **what):
     ({k: v for k, v in ANSWER.items() if k != "admit R3"}, "no prediction"),
 ])
 def test_page_tables_reject_wrong_answers(wrong, words):
-    with pytest.raises(AssertionError, match=words):
-        ch04.check_page_tables(wrong)
+    assert words in rejects(ch04.check_page_tables, wrong, "4.3")
+
+
+def test_a_wrong_lru_choice_gets_a_hint_about_the_lru_choice():
+    wrong = _changed("admit R3", page_tables={"R3": [0, 1, 2, 3, 4, 5, 10]})
+    rejects(ch04.check_page_tables, wrong, "4.3")
+    for _ in range(2):
+        with pytest.raises(AssertionError) as failure:
+            ch04.check_page_tables(wrong)
+    assert "least recently" in str(failure.value) and "output leaf" in str(failure.value)
 
 
 # ----------------------------------------------------------------------------- 4.4
 
 
-def make_room(pool, cache, n):
-    short = n - pool.num_free
-    if short <= 0:
-        return
-    if short > cache.evictable_size:
-        raise OutOfMemoryError(f"need {short} more slots, only {cache.evictable_size} evictable")
-    pool.free(cache.evict(short))
+def recompute_cost(node, weights):
+    start, up = 0, node.parent
+    while up is not None:
+        start += up.length
+        up = up.parent
+    return sum(weights + p + 1 for p in range(start, start + node.length))
 
 
-def make_room_evicts_n(pool, cache, n):
-    if n > pool.num_free:
-        pool.free(cache.evict(min(n, cache.evictable_size)))
+def cost_length_only(node, weights):  # ignores where the node sits
+    return node.length
 
 
-def make_room_forgets_free(pool, cache, n):
-    short = n - pool.num_free
-    if short > 0:
-        cache.evict(short)
+def cost_ignores_depth(node, weights):
+    return sum(weights + p + 1 for p in range(node.length))
 
 
-def make_room_evicts_what_it_can(pool, cache, n):
-    short = n - pool.num_free
-    if short <= 0:
-        return
-    got = min(short, cache.evictable_size)
-    pool.free(cache.evict(got))
-    if got < short:
-        raise OutOfMemoryError("not enough room")
+def cost_off_by_one(node, weights):  # forgets the token attends to itself
+    return recompute_cost(node, weights) - node.length
 
 
-def make_room_frees_cached_slots(pool, cache, n):
-    """Skips the tree: frees cached slots straight to the pool."""
-    short = n - pool.num_free
-    if short > 0:
-        pool.free(cache.all_values()[:short])
+def test_recompute_cost_accepts_reference(capsys):
+    accepts(ch04.check_recompute_cost, recompute_cost, "4.4", capsys)
 
 
-def test_make_room_accepts_reference(capsys):
-    ch04.check_make_room(make_room)
-    assert "Exercise 4.4 passed" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("mutant, words", [
-    (make_room_evicts_n, "shortfall"),
-    (make_room_forgets_free, "not free until"),
-    (make_room_evicts_what_it_can, "changed"),
-    (make_room_frees_cached_slots, "still in the tree"),
-])
-def test_make_room_rejects_mutants(mutant, words):
-    with pytest.raises(AssertionError, match=words):
-        ch04.check_make_room(mutant)
+@pytest.mark.parametrize("mutant", [cost_length_only, cost_ignores_depth, cost_off_by_one])
+def test_recompute_cost_rejects_mutants(mutant):
+    rejects(ch04.check_recompute_cost, mutant, "4.4", contains="recompute_cost(node")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from exercise_util import accepts, rejects
 
 import minirt.checks as checks
 from minirt.checks import ch06
@@ -10,79 +11,95 @@ from minirt.checks import ch06
 # ---------------------------------------------------------------- Exercise 6.1
 
 
-def plan_right(prompt_len, common_len, page_size):
-    cached = min(common_len, prompt_len - 1) // page_size * page_size
-    return cached, prompt_len - cached
+def plan(turns, page_size, *, last_token=True, whole_output=False, pages=True,
+         previous_only=False):
+    held, out = [], []
+    for prompt, output in turns:
+        matchable = prompt[:-1] if last_token else prompt
+        best = 0
+        for h in (held[-1:] if previous_only else held):
+            n = 0
+            while n < min(len(matchable), len(h)) and matchable[n] == h[n]:
+                n += 1
+            best = max(best, n)
+        cached = best - best % page_size if pages else best
+        out.append((cached, len(prompt) - cached))
+        kv = prompt + (output if whole_output else output[:-1])
+        held.append(kv[: len(kv) - len(kv) % page_size] if pages else kv)
+    return out
 
 
-def plan_whole_prompt(prompt_len, common_len, page_size):  # forgets the last-token rule
-    cached = min(common_len, prompt_len) // page_size * page_size
-    return cached, prompt_len - cached
+def test_chat_plan_accepts_reference(capsys):
+    accepts(checks.check_chat_plan, plan, "6.1", capsys)
 
 
-def plan_unaligned(prompt_len, common_len, page_size):  # forgets whole pages
-    cached = min(common_len, prompt_len - 1)
-    return cached, prompt_len - cached
+@pytest.mark.parametrize("kwargs", [dict(last_token=False), dict(whole_output=True),
+                                    dict(pages=False), dict(previous_only=True)])
+def test_chat_plan_rejects(kwargs):
+    rejects(checks.check_chat_plan, lambda t, p: plan(t, p, **kwargs), "6.1",
+            contains="chat_plan(")
 
 
-def plan_align_then_clip(prompt_len, common_len, page_size):  # clips after aligning
-    cached = min(common_len // page_size * page_size, prompt_len - 1)
-    return cached, prompt_len - cached
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_chat_plan_reference_matches_the_engine(page_size):
+    """The checker's rule is the engine's: a chat through Engine on tiny_model."""
+    import torch
 
+    from minirt.engine import Engine, Request
+    from minirt.model import tiny_model
 
-def plan_list(prompt_len, common_len, page_size):  # right numbers, wrong type
-    return list(plan_right(prompt_len, common_len, page_size))
-
-
-def test_plan_accepts_reference(capsys):
-    checks.check_prefill_plan(plan_right)
-    assert capsys.readouterr().out.startswith("Exercise 6.1 passed")
-
-
-@pytest.mark.parametrize("wrong", [plan_whole_prompt, plan_unaligned, plan_align_then_clip,
-                                   plan_list])
-def test_plan_rejects(wrong):
-    with pytest.raises(AssertionError, match="prefill_plan"):
-        checks.check_prefill_plan(wrong)
-
-
-def test_plan_seed_case():
-    assert ch06._prefill_plan(30, 20, 16) == (16, 14)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine(tiny_model(0), capacity=512, page_size=page_size)
+        prompt, turns, measured = [5, 6, 7, 8, 9, 10, 11], [], []
+        for user, n_out in [([20, 21], 3), ([22], 4), ([], 1), ([23, 24, 25], 2)]:
+            r = engine.generate([Request(prompt=list(prompt), max_new_tokens=n_out,
+                                         stop_on_eos=False)], progress=False)[0]
+            turns.append((list(prompt), list(r.output_ids)))
+            measured.append((r.metrics.cached_tokens, r.metrics.computed_tokens))
+            prompt = prompt + list(r.output_ids) + user
+        other = [40, 41, 42, 43, 44]
+        r = engine.generate([Request(prompt=other, max_new_tokens=2, stop_on_eos=False)],
+                            progress=False)[0]
+        turns.append((other, list(r.output_ids)))
+        measured.append((r.metrics.cached_tokens, r.metrics.computed_tokens))
+    finally:
+        torch.set_num_threads(threads)
+    assert measured == ch06.chat_plan_reference(turns, page_size)
 
 
 # ---------------------------------------------------------------- Exercise 6.2
 
 
-def tpot_right(m):
-    return 0.0 if m.output_tokens <= 1 else (m.latency - m.ttft) / (m.output_tokens - 1)
+def order_right(requests, step_time):
+    return sorted(range(len(requests)), key=lambda i: step_time(*requests[i]))
 
 
-def tpot_mean_latency(m):  # latency per token, TTFT included
-    return m.latency / m.output_tokens
+def order_by_uncached(requests, step_time):
+    return sorted(range(len(requests)), key=lambda i: requests[i][0] - requests[i][1])
 
 
-def tpot_off_by_one(m):  # divides by every token, though the first came from prefill
-    return (m.latency - m.ttft) / m.output_tokens
+def order_by_prompt(requests, step_time):
+    return sorted(range(len(requests)), key=lambda i: requests[i][0])
 
 
-def tpot_crashes_on_one(m):  # no guard for a single output token
-    return (m.latency - m.ttft) / (m.output_tokens - 1)
+def order_longest_first(requests, step_time):
+    return order_right(requests, step_time)[::-1]
 
 
-def test_tpot_accepts_reference(capsys):
-    checks.check_time_per_output_token(tpot_right)
-    assert capsys.readouterr().out.startswith("Exercise 6.2 passed")
+def order_arrival(requests, step_time):
+    return list(range(len(requests)))
 
 
-@pytest.mark.parametrize("wrong", [tpot_mean_latency, tpot_off_by_one])
-def test_tpot_rejects(wrong):
-    with pytest.raises(AssertionError, match="time_per_output_token"):
-        checks.check_time_per_output_token(wrong)
+def test_best_ttft_order_accepts_reference(capsys):
+    accepts(checks.check_best_ttft_order, order_right, "6.2", capsys)
 
 
-def test_tpot_crash_is_not_accepted():
-    with pytest.raises(ZeroDivisionError):
-        checks.check_time_per_output_token(tpot_crashes_on_one)
+@pytest.mark.parametrize("wrong", [order_by_uncached, order_by_prompt, order_longest_first,
+                                   order_arrival])
+def test_best_ttft_order_rejects(wrong):
+    rejects(checks.check_best_ttft_order, wrong, "6.2", contains="best_ttft_order(")
 
 
 # ---------------------------------------------------------------- Exercise 6.3
@@ -113,8 +130,7 @@ def test_flops_accepts_reference(capsys):
 
 @pytest.mark.parametrize("wrong", [flops_no_attention, flops_full_square, flops_forgets_prefix])
 def test_flops_rejects(wrong):
-    with pytest.raises(AssertionError, match="prefill_flops"):
-        checks.check_prefill_flops(wrong)
+    rejects(checks.check_prefill_flops, wrong, "6.3", contains="prefill_flops(")
 
 
 def test_smollm2_params_are_the_non_embedding_linear_weights():
@@ -174,8 +190,7 @@ def test_admit_accepts_reference(capsys):
 @pytest.mark.parametrize("wrong", [admit_overtaking, admit_long_waits_forever,
                                    admit_one_per_step])
 def test_admit_rejects(wrong):
-    with pytest.raises(AssertionError, match="admission_steps"):
-        checks.check_admission_steps(wrong)
+    rejects(checks.check_admission_steps, wrong, "6.4", contains="admission_steps(")
 
 
 def test_admission_reference_matches_the_engine():

@@ -24,9 +24,13 @@ answer = f(21)
 print(answer)'''
 
 
-def _notebook(*sources: str, markdown: str | None = None) -> nbformat.NotebookNode:
+def _notebook(*sources: str, markdown: str | None = None,
+              headings: tuple[str, ...] = ()) -> nbformat.NotebookNode:
+    """Code cells from ``sources``, each below a heading "## Exercise <heading>"."""
     nb = nbformat.v4.new_notebook()
     for i, src in enumerate(sources, 1):
+        number = headings[i - 1] if i <= len(headings) else f"1.{i}"
+        nb.cells.append(nbformat.v4.new_markdown_cell(f"## Exercise {number} · a title"))
         cell = nbformat.v4.new_code_cell(src, execution_count=i)
         cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="42\n")]
         nb.cells.append(cell)
@@ -48,15 +52,36 @@ def test_regions_become_numbered_stubs_at_their_indentation():
 
 
 def test_numbering_runs_across_cells_and_outputs_are_cleared():
-    nb = _notebook(SOLUTION_CELL, "x = 1\n### BEGIN SOLUTION\nx = 2\n### END SOLUTION")
-    nb.cells[0].metadata["execution"] = {"iopub.execute_input": "2026-01-01T00:00:00Z"}
+    nb = _notebook(SOLUTION_CELL, "x = 1\n### BEGIN SOLUTION\nx = 2\n### END SOLUTION",
+                   headings=("7.1", "7.3"))
+    nb.cells[1].metadata["execution"] = {"iopub.execute_input": "2026-01-01T00:00:00Z"}
     ex = mx.make_exercise(nb, chapter=7)
-    assert "execution" not in ex.cells[0].metadata
+    assert "execution" not in ex.cells[1].metadata
     sources = [c.source for c in ex.cells]
-    assert 'Exercise 7.3' in sources[1] and "x = 2" not in sources[1]
-    assert all(c.outputs == [] and c.execution_count is None for c in ex.cells)
+    # both regions below heading 7.1 say 7.1; the one below 7.3 says 7.3
+    assert sources[1].count('"Exercise 7.1"') == 2 and 'Exercise 7.3' in sources[3]
+    assert "x = 2" not in sources[3]
+    code = [c for c in ex.cells if c.cell_type == "code"]
+    assert all(c.outputs == [] and c.execution_count is None for c in code)
     # The solution notebook itself is untouched.
-    assert nb.cells[0].outputs and "y = x * 2" in nb.cells[0].source
+    assert nb.cells[1].outputs and "y = x * 2" in nb.cells[1].source
+
+
+def test_a_markdown_answer_region_does_not_shift_the_next_label():
+    md = "## Exercise 2.3 · why\n### BEGIN SOLUTION\nBecause.\n### END SOLUTION"
+    nb = _notebook("### BEGIN SOLUTION\nx = 1\n### END SOLUTION", headings=("2.3",))
+    nb.cells.append(nbformat.v4.new_markdown_cell(md))
+    nb.cells.append(nbformat.v4.new_markdown_cell("## Exercise 2.4 · next"))
+    nb.cells.append(nbformat.v4.new_code_cell("### BEGIN SOLUTION\ny = 2\n### END SOLUTION"))
+    ex = mx.make_exercise(nb, chapter=2)
+    assert '"Exercise 2.4"' in ex.cells[-1].source
+
+
+def test_a_code_region_without_a_heading_is_refused():
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell("### BEGIN SOLUTION\nx = 1\n### END SOLUTION"))
+    with pytest.raises(mx.MarkerError):
+        mx.make_exercise(nb, chapter=1)
 
 
 def test_markers_and_solution_code_never_leak():
@@ -87,7 +112,7 @@ def test_check_mode_detects_stale_and_orphan_exercises(tmp_path, capsys):
     assert mx.main(args) == 0
     assert mx.main(args + ["--check"]) == 0  # fresh
     stale = exs / "04_demo.ipynb"
-    stale.write_text(stale.read_text().replace("Exercise 4.1", "Exercise 4.9"))
+    stale.write_text(stale.read_text().replace("Exercise 1.1", "Exercise 1.9"))
     assert mx.main(args + ["--check"]) == 1  # edited by hand
     mx.main(args)
     (exs / "05_orphan.ipynb").write_text(stale.read_text())

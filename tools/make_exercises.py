@@ -2,8 +2,9 @@
 
 In a code cell, the lines from ``### BEGIN SOLUTION`` to ``### END SOLUTION`` are
 replaced by ``raise NotImplementedError("Exercise N.k")`` at the marker's
-indentation (N: the chapter, k: the region's number in the notebook). In a Markdown
-cell the region becomes a prompt for the reader's own answer. Every output is
+indentation, where N.k is the number of the nearest ``## Exercise N.k`` heading
+above the region (a region with no such heading is an error). In a Markdown cell
+the region becomes a prompt for the reader's own answer. Every output is
 cleared: the exercise notebook is a fresh start.
 
     python tools/make_exercises.py           # regenerate exercises/
@@ -24,14 +25,19 @@ BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 ROOT = Path(__file__).resolve().parent.parent
 MARKDOWN_STUB = "*Your answer here.*"
+HEADING = re.compile(r"^#+\s*Exercise\s+(\d+\.\d+)\b", re.MULTILINE)
 
 
 class MarkerError(ValueError):
     """Unbalanced or nested solution markers."""
 
 
-def strip_regions(source: str, chapter: int, counter: list[int], markdown: bool = False) -> str:
-    """Replace each solution region of ``source``; ``counter[0]`` numbers them across cells."""
+def strip_regions(source: str, chapter: int, counter: list[int], markdown: bool = False,
+                  label: str | None = None) -> str:
+    """Replace each solution region of ``source``; stubs say ``Exercise {label}``.
+
+    Without ``label``, ``counter[0]`` numbers the regions across cells (``chapter.k``).
+    """
     out: list[str] = []
     inside = False
     for lineno, line in enumerate(source.split("\n"), 1):
@@ -42,8 +48,9 @@ def strip_regions(source: str, chapter: int, counter: list[int], markdown: bool 
             inside = True
             counter[0] += 1
             indent = line[: len(line) - len(line.lstrip())]
+            number = label or f"{chapter}.{counter[0]}"
             stub = MARKDOWN_STUB if markdown else (
-                f'raise NotImplementedError("Exercise {chapter}.{counter[0]}")')
+                f'raise NotImplementedError("Exercise {number}")')
             out.append(indent + stub)
         elif stripped == END:
             if not inside:
@@ -60,13 +67,19 @@ def make_exercise(solution: nbformat.NotebookNode, chapter: int) -> nbformat.Not
     """The exercise notebook for one solution notebook."""
     nb = copy.deepcopy(solution)
     counter = [0]
+    label: str | None = None  # the number of the last "## Exercise N.k" heading seen
     for cell in nb.cells:
         cell.metadata.pop("execution", None)  # run timestamps say nothing to a reader
         if cell.cell_type == "code":
-            cell.source = strip_regions(cell.source, chapter, counter)
+            if BEGIN in cell.source and label is None:
+                raise MarkerError("a solution region with no '## Exercise N.k' heading above it")
+            cell.source = strip_regions(cell.source, chapter, counter, label=label)
             cell.outputs = []
             cell.execution_count = None
         elif cell.cell_type == "markdown":
+            headings = HEADING.findall(cell.source)
+            if headings:
+                label = headings[-1]
             cell.source = strip_regions(cell.source, chapter, counter, markdown=True)
     nb.metadata.pop("widgets", None)
     return nb

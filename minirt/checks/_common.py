@@ -1,6 +1,30 @@
-"""Shared pieces of the exercise checkers."""
+"""Shared pieces of the exercise checkers: success lines, failures, escalating hints.
+
+A checker is a function decorated with :func:`checker`. Inside it, :func:`expect` raises
+a :class:`CheckFailure` whose message names the input, what was expected and what came
+back. The decorator counts the failures of each exercise: the first failure shows only
+that message; a repeated one adds a *nudge*, a hint toward the idea (never the
+algorithm). A pass resets the count, so a later slip starts again at the plain message.
+"""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable[..., None])
+
+# Failed runs per exercise since its last pass ("2.1" -> 2).
+_FAILURES: dict[str, int] = {}
+
+
+class CheckFailure(AssertionError):
+    """A checker's failure: ``nudge`` (optional) overrides the checker's general nudge."""
+
+    def __init__(self, message: str, nudge: str | None = None) -> None:
+        super().__init__(message)
+        self.nudge = nudge
 
 
 def passed(exercise: str, detail: str = "") -> None:
@@ -8,10 +32,55 @@ def passed(exercise: str, detail: str = "") -> None:
     print(f"Exercise {exercise} passed" + (f": {detail}" if detail else "."))
 
 
-def expect(condition: bool, message: str) -> None:
-    """Raise ``AssertionError(message)`` unless ``condition`` holds (never stripped by -O)."""
+def expect(condition: bool, message: str, nudge: str | None = None) -> None:
+    """Raise ``CheckFailure(message)`` unless ``condition`` holds (never stripped by -O).
+
+    ``nudge`` is shown only when the same exercise fails again; without it, the
+    checker's general nudge is used.
+    """
     if not condition:
-        raise AssertionError(message)
+        raise CheckFailure(message, nudge)
+
+
+def failures(exercise: str) -> int:
+    """How many times ``exercise``'s checker has failed since it last passed."""
+    return _FAILURES.get(exercise, 0)
+
+
+def reset_attempts(exercise: str | None = None) -> None:
+    """Forget the failure count of one exercise (or of all): the next failure is a first."""
+    if exercise is None:
+        _FAILURES.clear()
+    else:
+        _FAILURES.pop(exercise, None)
+
+
+def checker(exercise: str, nudge: str) -> Callable[[F], F]:
+    """Make a checker count its failures and add ``nudge`` to every repeated failure."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                result = fn(*args, **kwargs)
+            except AssertionError as exc:
+                count = _FAILURES[exercise] = _FAILURES.get(exercise, 0) + 1
+                message = str(exc)
+                if count == 1:
+                    message += ("\n(Fix it and run the check again; if it fails again, "
+                                "the message adds a hint.)")
+                else:
+                    hint = getattr(exc, "nudge", None) or nudge
+                    message += f"\nHint (failed {count} times): {hint}"
+                raise CheckFailure(message) from exc.__cause__
+            _FAILURES.pop(exercise, None)
+            return result
+
+        run.exercise = exercise  # type: ignore[attr-defined]
+        run.nudge = nudge  # type: ignore[attr-defined]
+        return run  # type: ignore[return-value]
+
+    return wrap
 
 
 def call_reader(what: str, fn, *args):
@@ -23,7 +92,19 @@ def call_reader(what: str, fn, *args):
     try:
         return fn(*args)
     except Exception as exc:  # the reader's code may raise anything, AssertionError too
-        raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+        raise CheckFailure(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def same_int(got, expected: int) -> bool:
+    """True if ``got`` is an integer (Python, NumPy or 0-d integer tensor) equal to ``expected``."""
+    import operator
+
+    if isinstance(got, bool):
+        return False
+    try:
+        return operator.index(got) == expected
+    except TypeError:
+        return False
 
 
 def as_int_list(got) -> list[int] | None:

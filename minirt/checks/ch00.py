@@ -1,74 +1,67 @@
-"""Checkers for chapter 00: what the KV cache costs and how much prefill a workload repeats.
+"""Checkers for chapter 00: how much prefill a workload repeats, and what sharing saves.
 
 Each checker runs the reader's function on several inputs, compares with a reference
-computed here, and names the first input that disagrees.
+computed here, and names the first input that disagrees (input, expected, got); a
+repeated failure adds a hint toward the idea.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 
-import torch
-
-from ._common import expect, passed
+from ._common import call_reader, checker, expect, passed, same_int
 
 __all__ = [
-    "check_kv_bytes_per_token",
+    "check_best_order",
+    "check_keep_last_prefill",
     "check_prefill_waste",
     "check_requests_that_fit",
-    "check_system_prompt_prefill",
-]
-
-# Model shapes the reader's formula is tried on: (what it is like, config).
-KV_CONFIGS: list[tuple[str, dict]] = [
-    ("Llama-3-8B-like, bf16", dict(num_hidden_layers=32, num_attention_heads=32,
-                                   num_key_value_heads=8, head_dim=128, dtype="bfloat16")),
-    ("SmolLM2-135M, fp32", dict(num_hidden_layers=30, num_attention_heads=9,
-                                num_key_value_heads=3, head_dim=64, dtype="float32")),
-    ("GPT-2-small-like (no GQA), fp16", dict(num_hidden_layers=12, num_attention_heads=12,
-                                             num_key_value_heads=12, head_dim=64,
-                                             dtype="float16")),
-    ("Qwen2.5-7B-like, bf16", dict(num_hidden_layers=28, num_attention_heads=28,
-                                   num_key_value_heads=4, head_dim=128, dtype="bfloat16")),
-    ("a 70B-like model with fp8 KV", dict(num_hidden_layers=80, num_attention_heads=64,
-                                          num_key_value_heads=8, head_dim=128,
-                                          dtype="float8_e4m3fn")),
 ]
 
 
-def _element_size(dtype: str) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-def _kv_bytes_per_token(config: dict) -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes per element."""
-    return (2 * config["num_hidden_layers"] * config["num_key_value_heads"]
-            * config["head_dim"] * _element_size(config["dtype"]))
+def _keep_last_prefill(requests: Sequence[Sequence[int]]) -> int:
+    """Tokens prefilled when only the previous request's KV is kept."""
+    total, previous = 0, []
+    for r in requests:
+        total += len(r) - _lcp(r, previous)
+        previous = r
+    return total
 
 
-def _same_int(got, expected: int) -> bool:
-    """True if ``got`` is an integer (Python, NumPy or 0-d integer tensor) equal to ``expected``."""
-    if isinstance(got, bool):
-        return False
-    try:
-        return operator.index(got) == expected
-    except TypeError:
-        return False
+KEEP_LAST_WORKLOADS: list[tuple[str, list[list[int]]]] = [
+    ("two requests sharing [1, 2, 3]", [[1, 2, 3, 4], [1, 2, 3, 5]]),
+    ("a shared prefix comes back after an unrelated request",
+     [[1, 2, 3, 4], [9, 9], [1, 2, 3, 5]]),
+    ("the same request three times", [[7, 7, 7], [7, 7, 7], [7, 7, 7]]),
+    ("the same suffix after different first tokens", [[1, 9, 9], [2, 9, 9]]),
+    ("a request that is a prefix of the one before", [[1, 2, 3], [1, 2]]),
+    ("the second request shares with the first, the third with the first only",
+     [[5, 6, 7, 8], [5, 6, 1], [5, 6, 7, 2]]),
+    ("no requests", []),
+]
 
 
-def check_kv_bytes_per_token(kv_bytes_per_token: Callable[[dict], int]) -> None:
-    """Exercise 0.1: bytes of K and V one token occupies, from a model's config dict."""
-    for name, config in KV_CONFIGS:
-        expected = _kv_bytes_per_token(config)
-        got = kv_bytes_per_token(dict(config))
-        expect(_same_int(got, expected),
-               f"kv_bytes_per_token({config}) ({name}) returned {got!r}, expected {expected}: "
-               "K and V, for every layer and every KV head (not query head), head_dim "
-               "elements each, times the bytes of one element of that dtype.")
-    llama = _kv_bytes_per_token(KV_CONFIGS[0][1])
-    passed("0.1", f"{len(KV_CONFIGS)} configs right; a Llama-3-8B-like model keeps "
-                  f"{llama} bytes ({llama // 1024} KiB) of KV per token in bf16")
+@checker("0.1", "The server forgets everything except one request. Which earlier request "
+                "can the current one still take tokens from, and which part of it?")
+def check_keep_last_prefill(keep_last_prefill: Callable[[list[list[int]]], int]) -> None:
+    """Exercise 0.1: prefill tokens of a server that keeps only the previous request's KV."""
+    for name, workload in KEEP_LAST_WORKLOADS:
+        expected = _keep_last_prefill(workload)
+        got = call_reader(f"keep_last_prefill({workload})", keep_last_prefill,
+                          [list(r) for r in workload])
+        expect(same_int(got, expected),
+               f"keep_last_prefill({workload}) ({name}) returned {got!r}, expected {expected}.")
+    passed("0.1", f"{len(KEEP_LAST_WORKLOADS)} workloads right: keeping one request reuses "
+                  "only what the next request shares with it")
 
 
 def _requests_that_fit(budget_bytes: int, bytes_per_token: int, prompt_len: int,
@@ -89,18 +82,18 @@ FIT_CASES = [
 ]
 
 
+@checker("0.2", "With sharing, what does the one shared copy cost, and what does each "
+                "request cost on top of it? Only whole requests run.")
 def check_requests_that_fit(requests_that_fit: Callable[[int, int, int, int, bool], int]) -> None:
     """Exercise 0.2: concurrent requests whose KV fits in memory, with and without sharing
     the prompt's KV."""
     for case in FIT_CASES:
         expected = _requests_that_fit(*case)
-        got = requests_that_fit(*case)
         budget, per_token, prompt_len, own_len, shared = case
-        expect(_same_int(got, expected),
-               f"requests_that_fit(budget_bytes={budget}, bytes_per_token={per_token}, "
-               f"prompt_len={prompt_len}, own_len={own_len}, shared={shared}) returned "
-               f"{got!r}, expected {expected}. Only whole requests count; with sharing, one "
-               "copy of the prompt's KV is paid for first.")
+        call = (f"requests_that_fit(budget_bytes={budget}, bytes_per_token={per_token}, "
+                f"prompt_len={prompt_len}, own_len={own_len}, shared={shared})")
+        got = call_reader(call, requests_that_fit, *case)
+        expect(same_int(got, expected), f"{call} returned {got!r}, expected {expected}.")
     alone, together = _requests_that_fit(*FIT_CASES[0]), _requests_that_fit(*FIT_CASES[1])
     passed("0.2", f"in 64 GiB, {alone} Llama-3-8B-like requests fit with private copies of a "
                   f"1024-token prompt, {together} when they share it")
@@ -123,39 +116,55 @@ PREFILL_WORKLOADS: list[tuple[str, list[list[int]]]] = [
 ]
 
 
+@checker("0.3", "When is a token's KV the same in two requests? Think of a token together "
+                "with everything before it.")
 def check_prefill_waste(prefill_waste: Callable[[list[list[int]]], tuple[int, int]]) -> None:
     """Exercise 0.3: (tokens a cache-less server prefills, tokens an ideal cache prefills)."""
     for name, workload in PREFILL_WORKLOADS:
         expected = _prefill_waste(workload)
-        got = prefill_waste([list(r) for r in workload])
+        got = call_reader(f"prefill_waste({workload})", prefill_waste,
+                          [list(r) for r in workload])
         ok = (isinstance(got, tuple) and len(got) == 2
-              and all(_same_int(g, e) for g, e in zip(got, expected, strict=True)))
+              and all(same_int(g, e) for g, e in zip(got, expected, strict=True)))
         expect(ok, f"prefill_waste({workload}) ({name}) returned {got!r}, expected "
-                   f"{expected}: (sum of all lengths, number of distinct prefixes). A token's "
-                   "KV can be reused only when the whole prefix up to it matches.")
+                   f"{expected} as (naive, ideal).")
     passed("0.3", f"{len(PREFILL_WORKLOADS)} workloads counted right")
 
 
-def _system_prompt_prefill(system_len: int, turns: int, user_len: int) -> tuple[int, int]:
-    return turns * (system_len + user_len), system_len + turns * user_len
+ORDER_WORKLOADS: list[tuple[str, list[list[int]]]] = [
+    ("a shared prefix split by an unrelated request", [[1, 2, 3, 4], [9, 9], [1, 2, 3, 5]]),
+    ("two chats interleaved", [[1, 2], [5, 6], [1, 2, 3], [5, 6, 7], [1, 2, 3, 4]]),
+    ("same first token, deeper sharing further on", [[1, 2, 3], [1, 5], [1, 2, 4]]),
+    ("long and short requests mixed", [[4, 4, 4, 4, 4], [3], [4, 4, 1], [3, 3, 3], [4, 2]]),
+    ("already in a good order", [[1, 2, 3], [1, 2, 4]]),
+    ("duplicates", [[2, 2], [1], [2, 2], [1]]),
+    ("a tree three levels deep", [[1, 2, 3, 4], [7], [1, 2, 9], [1, 8], [1, 2, 3, 6],
+                                  [7, 7], [1, 8, 8]]),
+    ("no requests", []),
+]
 
 
-SYSTEM_PROMPT_CASES = [(1024, 100, 0), (1024, 100, 32), (500, 1, 20), (0, 5, 10),
-                       (300, 4, 40)]
-
-
-def check_system_prompt_prefill(system_prompt_prefill: Callable[[int, int, int],
-                                                                 tuple[int, int]]) -> None:
-    """Exercise 0.4: prefill tokens of `turns` requests sharing a system prompt, without and
-    with a prefix cache."""
-    for system_len, turns, user_len in SYSTEM_PROMPT_CASES:
-        expected = _system_prompt_prefill(system_len, turns, user_len)
-        got = system_prompt_prefill(system_len, turns, user_len)
-        ok = (isinstance(got, tuple) and len(got) == 2
-              and all(_same_int(g, e) for g, e in zip(got, expected, strict=True)))
-        expect(ok, f"system_prompt_prefill(system_len={system_len}, turns={turns}, "
-                   f"user_len={user_len}) returned {got!r}, expected {expected} "
-                   "(without cache, with a prefix cache).")
-    without, with_cache = _system_prompt_prefill(1024, 100, 0)
-    passed("0.4", f"the seed's case: {without} prefill tokens without a cache, {with_cache} "
-                  f"with one ({without - with_cache} saved)")
+@checker("0.4", "Which order would a depth-first walk of all the requests' prefixes give? "
+                "How does it make consecutive requests share as much as possible?")
+def check_best_order(best_order: Callable[[list[list[int]]], Sequence[int]]) -> None:
+    """Exercise 0.4: an order of the requests in which a keep-the-last-request server
+    prefills no more than an unlimited prefix cache would."""
+    for name, workload in ORDER_WORKLOADS:
+        call = f"best_order({workload})"
+        got = call_reader(call, best_order, [list(r) for r in workload])
+        try:
+            order = [int(i) for i in got]
+        except (TypeError, ValueError):
+            order = None
+        expect(order is not None and sorted(order) == list(range(len(workload))),
+               f"{call} ({name}) returned {got!r}; expected a list of the request indices "
+               f"0..{len(workload) - 1}, each once (for example [2, 0, 1]).")
+        reordered = [workload[i] for i in order]
+        ideal = _prefill_waste(workload)[1]
+        prefill = _keep_last_prefill(reordered)
+        expect(prefill == ideal,
+               f"{call} ({name}) returned the order {order}: keeping only the last request, "
+               f"that order prefills {prefill} tokens, expected {ideal} (what an unlimited "
+               "prefix cache prefills).")
+    passed("0.4", f"{len(ORDER_WORKLOADS)} workloads: in your order, keeping one request's KV "
+                  "is as good as keeping them all")

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import call_reader, expect, passed
+from ._common import call_reader, checker, expect, passed
 
 __all__ = [
     "ToyModel",
     "check_causal_mask",
-    "check_reusable_length",
+    "check_equal_states",
     "check_toy_decode",
     "check_toy_forward",
     "toy_model",
@@ -58,6 +58,8 @@ def _causal_mask(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()
 
 
+@checker("1.1", "Rows are queries, columns are keys. In prefill, which keys exist yet for "
+                "the query at position i when it is decoded one token at a time?")
 def check_causal_mask(causal_mask: Callable[[int], torch.Tensor]) -> None:
     """Exercise 1.1: ``causal_mask(n)``, a bool [n, n] tensor, True where query i may see key j."""
     for n in (1, 2, 3, 5, 8):
@@ -73,55 +75,64 @@ def check_causal_mask(causal_mask: Callable[[int], torch.Tensor]) -> None:
         if not torch.equal(got.cpu(), expected):
             i, j = (got.cpu() != expected).nonzero()[0].tolist()
             expect(False, f"causal_mask({n})[{i}, {j}] is {bool(got[i, j])}, expected "
-                          f"{bool(expected[i, j])}: row = query position i, column = key "
-                          f"position j, and i may attend to j exactly when j <= i.\n"
-                          f"expected:\n{expected.int()}\ngot:\n{got.int()}")
+                          f"{bool(expected[i, j])} (row = query position, column = key "
+                          f"position).\nexpected:\n{expected.int()}\ngot:\n{got.int()}")
     passed("1.1", "position i attends to positions 0..i, itself included")
 
 
-# ---- Exercise 1.2: how many positions' K/V two requests share ---------------------------
+# ---- Exercise 1.2: which states two requests share in a position-free model ------------
 
-def _reusable_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def _measured_equal(a: Sequence[int], b: Sequence[int], num_layers: int,
+                    seed: int = 0) -> list[list[int]]:
+    """Positions whose states are equal (1e-9) at each layer boundary of a random toy."""
+    toy = toy_model(seed, num_layers=num_layers)
+    states_a, states_b = _toy_forward(toy, a), _toy_forward(toy, b)
+    n = min(len(a), len(b))
+    return [[i for i in range(n) if float((x[i] - y[i]).abs().max()) <= 1e-9]
+            for x, y in zip(states_a, states_b, strict=True)]
 
 
-REUSE_CASES: list[tuple[str, list[int], list[int]]] = [
-    ("two empty requests", [], []),
-    ("one empty request", [], [5, 8]),
-    ("identical requests", [5, 8, 13, 21], [5, 8, 13, 21]),
-    ("a is a prefix of b", [5, 8], [5, 8, 13, 21]),
-    ("b is a prefix of a", [5, 8, 13, 21], [5, 8, 13]),
-    ("differ in the middle, same tokens after", [5, 8, 13, 21], [5, 8, 2, 21]),
-    ("differ at the first token, same suffix (the 天气很好 / 心情很好 case)",
-     [18614, 119, 177, 125, 238, 29157, 226, 48392, 138],
-     [41467, 221, 177, 221, 223, 29157, 226, 48392, 138]),
-    ("same tokens, shifted by one position", [7, 7, 1, 2, 3], [7, 1, 2, 3]),
-    ("differ only at the last token", [1, 2, 3, 4], [1, 2, 3, 9]),
+EQUAL_CASES: list[tuple[str, list[int], list[int], int]] = [
+    ("identical requests", [3, 1, 4], [3, 1, 4], 3),
+    ("differ only in the last token", [3, 1, 4, 1], [3, 1, 4, 5], 3),
+    ("the first two tokens swapped", [1, 2, 3], [2, 1, 3], 3),
+    ("the first two tokens swapped, one layer", [1, 2, 3], [2, 1, 3], 1),
+    ("the same suffix after a different first token", [2, 7, 7, 5], [11, 7, 7, 5], 2),
+    ("a rotation of the first three tokens", [5, 6, 7, 8, 9], [6, 7, 5, 8, 9], 4),
+    ("equal tokens at equal positions after a difference", [1, 2, 9, 4], [1, 3, 9, 4], 3),
+    ("a repeated token swapped with itself", [4, 4, 2], [4, 4, 2], 2),
+    ("different lengths", [1, 2, 3, 4, 5], [2, 1, 3], 3),
+    ("the same multiset at position 2, not at 1", [1, 2, 2, 6], [2, 1, 2, 6], 3),
+    ("nothing in common", [1, 2], [3, 4], 2),
 ]
 
 
-def check_reusable_length(reusable_length: Callable[[list[int], list[int]], int]) -> None:
-    """Exercise 1.2: how many leading positions' K/V requests ``a`` and ``b`` can share."""
-    cases = list(REUSE_CASES)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(40):
-        n, m = (int(x) for x in torch.randint(0, 12, (2,), generator=g))
-        a = torch.randint(0, 3, (n,), generator=g).tolist()
-        b = torch.randint(0, 3, (m,), generator=g).tolist()
-        cases.append(("random", a, b))
-    for name, a, b in cases:
-        expected = _reusable_length(a, b)
-        got = call_reader(f"reusable_length({a}, {b})", reusable_length, list(a), list(b))
-        expect(isinstance(got, int) and not isinstance(got, bool) and got == expected,
-               f"reusable_length({a}, {b}) ({name}) returned {got!r}, expected {expected}: "
-               "K/V can be shared only up to the first position where the tokens differ; "
-               "equal tokens after that point do not count.")
-    passed("1.2", f"{len(cases)} request pairs right; only the common prefix is shared")
+@checker("1.2", "Without position encoding, what does attention at position i see of the "
+                "positions before it: their order, or only which states there are and how "
+                "many of each? Then ask the same question one layer up.")
+def check_equal_states(equal_states: Callable[[list[int], list[int], int], list[list[int]]]
+                       ) -> None:
+    """Exercise 1.2: at each layer boundary of the position-free toy, the positions whose
+    states (and so K/V) are equal in two requests, predicted without running a model."""
+    for name, a, b, layers in EQUAL_CASES:
+        expected = _measured_equal(a, b, layers)
+        call = f"equal_states({a}, {b}, num_layers={layers})"
+        got = call_reader(call, equal_states, list(a), list(b), layers)
+        try:
+            lists = [sorted(int(i) for i in row) for row in got]
+        except (TypeError, ValueError):
+            lists = None
+        expect(lists is not None and len(lists) == layers + 1,
+               f"{call} ({name}) returned {got!r}; expected one list of positions per layer "
+               f"boundary, {layers + 1} lists (the embeddings, then each layer's output), "
+               "e.g. [[2], [2], []].")
+        for layer, (want, have) in enumerate(zip(expected, lists, strict=True)):
+            expect(have == want,
+                   f"{call} ({name}): at layer boundary {layer} you predicted equal states at "
+                   f"positions {have}, the toy model computes equal states at {want}.")
+    passed("1.2", f"{len(EQUAL_CASES)} pairs predicted exactly; without positions a swapped "
+                  "prefix still reaches deeper layers, and only a common prefix is safe at "
+                  "every layer")
 
 
 # ---- Exercise 1.3: the position-free toy, prefill with a mask ----------------------------
@@ -161,6 +172,8 @@ def _compare_states(label: str, got, expected: list[torch.Tensor], tol: float = 
 TOY_INPUTS = [[3], [3, 1], [1, 2, 3, 4, 5], [9, 9, 9, 0, 15, 2, 7]]
 
 
+@checker("1.3", "Compare one layer by hand with the formula above: which scores must be "
+                "-inf, and over which axis does the softmax run?")
 def check_toy_forward(toy_forward: Callable[[ToyModel, list[int]], list[torch.Tensor]]) -> None:
     """Exercise 1.3: a causal, position-free prefill of the toy stack, every layer's states."""
     for seed in (0, 1):
@@ -173,6 +186,8 @@ def check_toy_forward(toy_forward: Callable[[ToyModel, list[int]], list[torch.Te
 
 # ---- Exercise 1.4: the toy decoded token by token, without a mask -------------------------
 
+@checker("1.4", "When token i is decoded, which rows must the layer's cache hold at the "
+                "moment it attends, and in which order do you write and read?")
 def check_toy_decode(toy_decode: Callable[[ToyModel, list[int]], list[torch.Tensor]]) -> None:
     """Exercise 1.4: decoding one token at a time with per-layer K/V caches and no mask."""
     for seed in (0, 1):

@@ -1,179 +1,193 @@
-"""Checkers for chapter 02: matching a node, splitting it, counting nodes, building A/B/C.
+"""Checkers for chapter 02: merging and splitting nodes, counting nodes, a paged insert.
 
 Each checker runs the reader's function on several inputs, compares with a reference
-computed here, and names the first input that disagrees.
+computed here, and names the first input that disagrees (input, expected, got); a
+repeated failure adds a hint toward the idea.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
+from ..cache import RadixCache
 from ..radix import RadixNode, page_key
 from ..viz import tree_dict
 from ..workloads import lookup_steps, prefix_node_counts
-from ._common import call_reader, expect, passed
+from ._common import as_int_list, call_reader, checker, expect, passed
 
 __all__ = [
-    "check_abc_tree",
-    "check_get_match_len",
+    "check_insert_pages",
+    "check_merge",
     "check_node_counts",
-    "check_split_at",
+    "check_split_with_stats",
 ]
+
+
+def _chain(page_size: int, *parts: list[int], ref: int = 0):
+    """root -> parts[0] -> parts[1] -> ...: slots 10, 11, ... in order; returns root, nodes."""
+    fn = page_key(page_size)
+    root, parent, slot, nodes = RadixNode(fn), None, 10, []
+    parent = root
+    for i, part in enumerate(parts):
+        node = RadixNode(fn, torch.tensor(part), torch.arange(slot, slot + len(part)), tick=i)
+        slot += len(part)
+        node.parent = parent
+        parent.children[fn(node.key)] = node
+        node.ref_count, node.last_access = ref, 5 + i
+        nodes.append(node)
+        parent = node
+    return root, nodes
+
+
+def _snapshot(root: RadixNode) -> list[tuple]:
+    """Every node's token path, slots, ref_count and child keys, in path order."""
+    out, stack = [], [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        path = path + tuple(node.key.tolist())
+        out.append((path, tuple(node.value.tolist()), node.ref_count,
+                    tuple(sorted(map(str, node.children)))))
+        for key, child in node.children.items():
+            expect(child.parent is node and node.key_fn(child.key) == key,
+                   f"node {list(path)} lists a child under key {key!r} whose parent or key "
+                   f"does not match (child.parent is {child.parent!r}).")
+            stack.append((child, path))
+    return sorted(out)
 
 
 # --------------------------------------------------------------------------- 2.1
 
-_MATCH_CASES: list[tuple[list[int], list[int], int]] = [
-    ([101, 11, 12, 21, 22], [101, 11, 12, 21, 22, 7], 1),  # the whole node, request longer
-    ([101, 11, 12, 21, 22], [101, 11, 12, 31, 32], 1),  # diverges inside
-    ([101, 11, 12, 21, 22], [101, 11], 1),  # request ends inside the node
-    ([101, 11, 12], [5, 101, 11], 1),  # nothing in common
-    ([101, 11, 12], [], 1),  # empty request
-    ([5, 6, 7, 8], [5, 6, 7, 9], 2),  # 3 common -> 1 whole page of 2
-    ([5, 6, 7, 8], [5, 6, 7, 8], 2),  # 2 whole pages
-    ([5, 6, 7, 8], [5, 9], 2),  # 1 common -> no whole page
-    (list(range(40)), list(range(20)) + [99] * 20, 16),  # 20 common -> 16
-    (list(range(32)), list(range(32)), 16),  # exact pages
+# (what it shows, page_size, node parts, ref_count, index of the node to merge)
+_MERGE_CASES = [
+    ("a node and its only child, a leaf", 1, [[1, 2, 3], [4, 5]], 0),
+    ("the child has children of its own", 1, [[1, 2], [3], [4, 5, 6]], 0),
+    ("under a parent that is not the root", 1, [[7], [8, 9], [10]], 1),
+    ("locked path, pages of 2", 2, [[1, 2], [3, 4, 5, 6], [7, 8]], 0),
 ]
 
 
-def _ref_match_len(key: Sequence[int], ids: Sequence[int], page_size: int) -> int:
-    n = 0
-    for a, b in zip(key, ids, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n - n % page_size
+@checker("2.1", "A handle names the node where a match ends. After the merge, which of the "
+                "two objects must still exist so that a handle taken before it still works? "
+                "And who points at whom: parent, children dict, grandchildren?")
+def check_merge(merge: Callable[[RadixNode], RadixNode]) -> None:
+    """Exercise 2.1: ``merge(node)`` folds a node into its only child; the child survives."""
+    tried = 0
+    for name, page, parts, index in _MERGE_CASES:
+        for ref in (0, 2):
+            root, nodes = _chain(page, *parts, ref=ref)
+            node, child = nodes[index], nodes[index + 1]
+            grandkids = list(child.children.values())
+            what = f"merge(node {parts[index]}) with its only child {parts[index + 1]} ({name})"
+            key = parts[index] + parts[index + 1]
+            slots = torch.cat([node.value, child.value]).tolist()
+            got = call_reader(what, merge, node)
+            expect(got is child,
+                   f"{what} returned {got!r}, expected the child object (id {child.id}), now "
+                   f"holding {key}.")
+            expect(child.key.tolist() == key and child.value.tolist() == slots,
+                   f"{what}: the surviving node holds key {child.key.tolist()} and slots "
+                   f"{child.value.tolist()}, expected {key} and {slots}.")
+            parent = root if index == 0 else nodes[index - 1]
+            expect(child.parent is parent and parent.children == {child.key_fn(child.key): child},
+                   f"{what}: the parent's children are {parent.children} and the survivor's "
+                   f"parent is {child.parent!r}; expected the survivor alone under "
+                   f"{parent.key.tolist() or 'the root'}.")
+            expect(all(g.parent is child for g in grandkids)
+                   and set(child.children.values()) == set(grandkids),
+                   f"{what}: the survivor's children are {list(child.children.values())}, "
+                   f"expected {grandkids}, each with the survivor as parent.")
+            expect(child.ref_count == ref and child.last_access == 5 + index + 1,
+                   f"{what}: the survivor has ref_count {child.ref_count} and last_access "
+                   f"{child.last_access}, expected {ref} and {5 + index + 1}.")
+            expect(node.parent is None and not node.children,
+                   f"{what}: the folded node still has parent {node.parent!r} and children "
+                   f"{node.children}; expected it detached (parent None, no children).")
+            _snapshot(root)
+            tried += 1
+    refusals = [("the root", lambda r, ns: r), ("a leaf", lambda r, ns: ns[-1])]
+    for label, pick in refusals:
+        root, nodes = _chain(1, [1, 2], [3])
+        _refuses(merge, pick(root, nodes), root, f"merge({label})")
+    root, nodes = _chain(1, [1, 2], [3])
+    extra = RadixNode(nodes[0].key_fn, torch.tensor([9]), torch.tensor([99]))
+    extra.parent = nodes[0]
+    nodes[0].children[9] = extra
+    _refuses(merge, nodes[0], root, "merge(a node with two children)")
+    root, nodes = _chain(1, [1, 2], [3])
+    nodes[1].ref_count = 1
+    _refuses(merge, nodes[0], root, "merge(a node whose child has a different ref_count)")
+    passed("2.1", f"{tried} merges undo a split exactly, the child survives (its handles stay "
+                  "valid); 4 impossible merges refused with the tree unchanged")
 
 
-def check_get_match_len(get_match_len: Callable[[torch.Tensor, torch.Tensor, int], int]) -> None:
-    """Exercise 2.1: ``get_match_len(key, ids, page_size)`` for 1-D int64 tensors."""
-    rng = random.Random(2)
-    cases = list(_MATCH_CASES)
-    for _ in range(40):
-        page = rng.choice([1, 2, 4])
-        key = [rng.randrange(3) for _ in range(rng.randrange(1, 10))]
-        ids = key[: rng.randrange(len(key) + 1)] + [rng.randrange(3) for _ in range(3)]
-        cases.append((key, ids, page))
-    for key, ids, page in cases:
-        expected = _ref_match_len(key, ids, page)
-        got = call_reader(f"get_match_len(key={key}, ids={ids}, page_size={page})", get_match_len,
-                    torch.tensor(key, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
-                    page)
-        expect(isinstance(got, int) and not isinstance(got, bool),
-               f"get_match_len(key={key}, ids={ids}, page_size={page}) returned {got!r} "
-               f"of type {type(got).__name__}; return a Python int (use int(...)).")
-        expect(got == expected,
-               f"get_match_len(key={key}, ids={ids}, page_size={page}) returned {got}, expected "
-               f"{expected}: count the leading positions where key and ids agree (stop at the "
-               "first difference or the shorter end), then round down to whole pages.")
-    passed("2.1", f"{len(cases)} cases right, e.g. a 20-token common prefix with pages of 16 "
-                  "matches 16 tokens")
+def _refuses(merge, node, root, what: str) -> None:
+    before = _snapshot(root)
+    try:
+        merge(node)
+    except ValueError:
+        pass
+    except Exception as exc:
+        raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}; expected "
+                             "ValueError") from exc
+    else:
+        expect(False, f"{what} returned normally; expected ValueError.")
+    expect(_snapshot(root) == before, f"{what} raised ValueError but changed the tree first.",
+           "Decide whether the merge is possible before you change anything.")
 
 
 # --------------------------------------------------------------------------- 2.2
 
-
-def _split_fixture(page_size: int):
-    """root -> node [1..6] (slots 10..15, ref 2, with a child [7, 8]); returns both + originals."""
-    fn = page_key(page_size)
-    root = RadixNode(fn)
-    node = RadixNode(fn, torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([10, 11, 12, 13, 14, 15]),
-                     tick=3)
-    node.parent = root
-    root.children[fn(node.key)] = node
-    node.ref_count, node.last_access, node.hit_count = 2, 7, 4
-    child = RadixNode(fn, torch.tensor([7, 8]), torch.tensor([16, 17]), tick=4)
-    child.parent = node
-    node.children[fn(child.key)] = child
-    return root, node, child
+_STAT_CASES = [(1, 2), (1, 5), (2, 2), (2, 4)]
 
 
-def _describe(root: RadixNode) -> str:
-    return str(tree_dict(root))
-
-
-def check_split_at(split_at: Callable[[RadixNode, int], RadixNode]) -> None:
-    """Exercise 2.2: ``split_at(node, pos)`` -> the new parent holding ``key[:pos]``."""
-    for page_size, pos in ((1, 2), (1, 5), (2, 2), (2, 4)):
-        root, node, child = _split_fixture(page_size)
-        key_ptr = node.key.untyped_storage().data_ptr()
-        value_ptr = node.value.untyped_storage().data_ptr()
-        what = f"split_at(node [1, 2, 3, 4, 5, 6], {pos}) with page_size {page_size}"
-        upper = call_reader(what, split_at, node, pos)
-        expect(isinstance(upper, RadixNode) and upper is not node,
-               f"{what} returned {upper!r}; it must return a NEW RadixNode, the upper half. "
-               "The old node object keeps the lower half, so handles to it stay valid.")
-        expect(upper.key.tolist() == [1, 2, 3, 4, 5, 6][:pos]
-               and upper.value.tolist() == [10, 11, 12, 13, 14, 15][:pos],
-               f"{what}: the new parent holds key {upper.key.tolist()} / value "
-               f"{upper.value.tolist()}, expected the first {pos} tokens and slots.")
-        expect(node.key.tolist() == [1, 2, 3, 4, 5, 6][pos:]
-               and node.value.tolist() == [10, 11, 12, 13, 14, 15][pos:],
-               f"{what}: the old node now holds key {node.key.tolist()} / value "
-               f"{node.value.tolist()}, expected the tokens and slots from position {pos} on.")
-        fn = node.key_fn
-        expect(upper.parent is root and root.children.get(fn(upper.key)) is upper
-               and len(root.children) == 1,
-               f"{what}: the root's children are {root.children}; the new parent must replace "
-               "the old node there (same key, since both start with the same tokens), with "
-               "upper.parent = root.")
-        expect(node.parent is upper and upper.children == {fn(node.key): node},
-               f"{what}: the old node must be the only child of the new parent, keyed by "
-               f"key_fn(node.key) = {fn(node.key)!r}; got parent {node.parent!r}, children "
-               f"{upper.children}.")
-        expect(node.children == {fn(child.key): child} and child.parent is node,
-               f"{what}: the old node's own children must stay with it (they continue its "
-               "lower half).")
-        views = (upper.key.untyped_storage().data_ptr() == key_ptr
-                 and node.key.untyped_storage().data_ptr() == key_ptr
-                 and upper.value.untyped_storage().data_ptr() == value_ptr
-                 and node.value.untyped_storage().data_ptr() == value_ptr)
-        expect(views, f"{what}: the halves must be views (slices) of the old key and value "
-                      "tensors, sharing their storage; something was copied (clone, tolist, "
-                      "torch.tensor(...)). A split moves metadata only.")
-        expect(upper.ref_count == 2,
-               f"{what}: new parent has ref_count {upper.ref_count}, expected 2 (copied from "
-               "the old node: every request using the old node also uses its upper half).")
-        expect(upper.key_fn is node.key_fn,
-               f"{what}: the new parent must use the same key_fn as the old node.")
-    for bad in (0, 6, 9, -1):
-        root, node, child = _split_fixture(1)
-        before = _describe(root)
+@checker("2.2", "split_at returns one object and modifies another: which one holds the "
+                "first pos tokens afterwards? And what must still be true if split_at refuses?")
+def check_split_with_stats(split_with_stats: Callable[[RadixNode, int, dict], RadixNode]) -> None:
+    """Exercise 2.2: split a node and move its per-token statistic with the tokens."""
+    hits_list = [5, 5, 4, 2, 2, 1]
+    for page, pos in _STAT_CASES:
+        root, (node, child) = _chain(page, [1, 2, 3, 4, 5, 6], [7, 8])
+        stats = {node.id: torch.tensor(hits_list), child.id: torch.tensor([1, 0])}
+        what = (f"split_with_stats(node [1, 2, 3, 4, 5, 6] with hits {hits_list}, {pos}) with "
+                f"page_size {page}")
+        upper = call_reader(what, split_with_stats, node, pos, stats)
+        expect(isinstance(upper, RadixNode) and upper is not node and upper.parent is root
+               and upper.key.tolist() == [1, 2, 3, 4, 5, 6][:pos],
+               f"{what} returned {upper!r}; expected the new parent holding "
+               f"{[1, 2, 3, 4, 5, 6][:pos]}.")
+        want = {upper.id: hits_list[:pos], node.id: hits_list[pos:], child.id: [1, 0]}
+        have = {k: as_int_list(v) for k, v in stats.items()}
+        expect(have == want,
+               f"{what}: the statistics are {have}, expected {want} (keyed by node id: "
+               f"new parent {upper.id}, old node {node.id}, its child {child.id}).")
+    for page, bad in ((1, 0), (1, 6), (1, 9), (2, 3)):
+        root, (node, child) = _chain(page, [1, 2, 3, 4, 5, 6], [7, 8])
+        stats = {node.id: torch.tensor(hits_list), child.id: torch.tensor([1, 0])}
+        what = f"split_with_stats(node of length 6, {bad}) with page_size {page}"
         try:
-            split_at(node, bad)
+            split_with_stats(node, bad, stats)
         except ValueError:
             pass
         except Exception as exc:
-            raise AssertionError(f"split_at(node of length 6, {bad}) raised "
-                                 f"{type(exc).__name__}; expected ValueError") from exc
+            raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}; expected "
+                                 "ValueError") from exc
         else:
-            raise AssertionError(f"split_at(node of length 6, {bad}) did not raise: a cut must "
-                                 "lie strictly inside the node (0 < pos < length); raise "
-                                 "ValueError.")
-        expect(_describe(root) == before and node.parent is root,
-               f"split_at(node, {bad}) raised but changed the tree first: check before you "
-               "modify anything.")
-    root, node, _ = _split_fixture(2)
-    try:
-        split_at(node, 3)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("split_at(node, 3) with page_size 2 did not raise: cuts must "
-                             "fall on page boundaries (pos % node.page_size == 0).")
-    passed("2.2", "the new parent holds the prefix, both halves are views of the old tensors, "
-                  "ref_count inherited, bad positions refused")
+            expect(False, f"{what} returned normally; expected ValueError.")
+        have = {k: as_int_list(v) for k, v in stats.items()}
+        expect(have == {node.id: hits_list, child.id: [1, 0]},
+               f"{what} raised ValueError but left the statistics as {have}, expected "
+               f"{ {node.id: hits_list, child.id: [1, 0]} } (unchanged).")
+    passed("2.2", "per-token statistics follow their tokens through a split; a refused split "
+                  "changes nothing")
 
 
 # --------------------------------------------------------------------------- 2.3
 
 _COUNT_CASES: list[tuple[str, list[list[int]]]] = [
-    ("the seed's A, B, C", [[101, 11, 12, 21, 22], [101, 11, 12, 31, 32], [101, 11, 99]]),
+    ("the A, B, C requests", [[101, 11, 12, 21, 22], [101, 11, 12, 31, 32], [101, 11, 99]]),
     ("a request that is a prefix of another", [[1, 2, 3, 4], [1, 2]]),
     ("the same request twice", [[1, 2, 3], [1, 2, 3]]),
     ("no sharing", [[1, 2, 3], [4, 5], [6]]),
@@ -187,6 +201,8 @@ def _ref_counts(requests) -> tuple[int, int, int, int]:
     return (*prefix_node_counts(requests), *lookup_steps(requests))
 
 
+@checker("2.3", "Count on paper first: draw the trie and the radix tree for the failing "
+                "input. Where exactly must a radix node end?")
 def check_node_counts(count_nodes: Callable[[list[list[int]]], tuple[int, int, int, int]]) -> None:
     """Exercise 2.3: ``count_nodes(requests)`` -> trie nodes, radix nodes, trie hops, radix hops."""
     rng = random.Random(3)
@@ -203,69 +219,66 @@ def check_node_counts(count_nodes: Callable[[list[list[int]]], tuple[int, int, i
                f"count_nodes({reqs}) returned {got!r}; return a tuple "
                f"(trie_nodes, radix_nodes, trie_hops, radix_hops).")
         for name, g, e in zip(names, got, expected, strict=True):
-            expect(g == e,
-                   f"count_nodes({reqs}) ({label}): {name} = {g}, expected {e}. Nodes do not "
-                   "count the root; a radix node ends where a request ends or where the path "
-                   "forks or stops; hops count the nodes entered while looking up every request "
-                   "in the finished tree.")
+            expect(g == e, f"count_nodes({reqs}) ({label}): {name} = {g}, expected {e}.")
     passed("2.3", f"{len(cases)} request sets counted right")
 
 
 # --------------------------------------------------------------------------- 2.4
 
-A = [101, 11, 12, 21, 22]
-B = [101, 11, 12, 31, 32]
-C = [101, 11, 99]
-ABC_TREE = {(101, 11): {(12,): {(21, 22): {}, (31, 32): {}}, (99,): {}}}
+# (what it shows, page_size, requests inserted in order)
+_PAGED_CASES: list[tuple[str, int, list[list[int]]]] = [
+    ("A, B, C with pages of 1", 1, [[101, 11, 12, 21, 22], [101, 11, 12, 31, 32],
+                                     [101, 11, 99]]),
+    ("pages of 2: the second request diverges inside a page", 2,
+     [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 5, 6]]),
+    ("pages of 2: a request that ends inside a node", 2, [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4]]),
+    ("pages of 2: the same request twice", 2, [[1, 2, 3, 4], [1, 2, 3, 4]]),
+    ("pages of 4: three requests on one prefix", 4,
+     [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8], [0, 1, 2, 3, 9, 9, 9, 9]]),
+    ("pages of 2: nothing shared", 2, [[1, 2], [3, 4, 5, 6]]),
+]
 
 
-def _paths(root: RadixNode) -> dict[tuple[int, ...], list[int]]:
-    """Every node's full token sequence -> its full slot list."""
-    out: dict[tuple[int, ...], list[int]] = {}
-    stack: list[tuple[RadixNode, list[int], list[int]]] = [(root, [], [])]
+def _own_slots(request_index: int, length: int, page: int) -> list[int]:
+    """Request k's own slots: whole pages starting at page 10 * (k + 1)."""
+    first = 10 * (request_index + 1) * page
+    return list(range(first, first + length))
+
+
+def _slot_paths(root: RadixNode) -> dict[tuple[int, ...], list[int]]:
+    out, stack = {}, [(root, [], [])]
     while stack:
         node, keys, values = stack.pop()
-        if not node.is_root():
+        if node.parent is not None:
             out[tuple(keys)] = values
         for child in node.children.values():
             stack.append((child, keys + child.key.tolist(), values + child.value.tolist()))
     return out
 
 
-def check_abc_tree(build_tree: Callable[[list[list[int]]], RadixNode]) -> None:
-    """Exercise 2.4: ``build_tree(requests)`` inserts them in order, fresh slots 0, 1, 2, ...
-    for uncached tokens only, and returns the root."""
-    root = call_reader("build_tree([A, B, C])", build_tree, [A, B, C])
-    expect(isinstance(root, RadixNode) and root.is_root(),
-           f"build_tree([A, B, C]) returned {root!r}; return the (empty) root RadixNode.")
-    got = tree_dict(root)
-    expect(got == ABC_TREE, f"build_tree([A, B, C]) built {got}, expected the seed's tree "
-                            f"{ABC_TREE}: B splits A's node at 3, C splits [101, 11, 12] at 2.")
-    paths = _paths(root)
-    want = {tuple(A): [0, 1, 2, 3, 4], tuple(B): [0, 1, 2, 5, 6], tuple(C): [0, 1, 7]}
-    for seq, slots in want.items():
-        expect(paths.get(seq) == slots,
-               f"build_tree([A, B, C]): request {list(seq)} has slots {paths.get(seq)}, "
-               f"expected {slots}: A takes 0..4; B reuses 0..2 and only its new tokens [31, 32] "
-               "get fresh slots 5, 6; C reuses 0, 1 and gets 7.")
-    top = root.children[101]
-    leaf_a = top.children[12].children[21]
-    expect(top.value.untyped_storage().data_ptr() == leaf_a.value.untyped_storage().data_ptr(),
-           "build_tree([A, B, C]): [101, 11] and [21, 22] should be views of A's original slot "
-           "tensor (split_at copies nothing); they no longer share storage.")
-    for reqs, shape, label in (
-        ([[1, 2, 3], [1, 2]], {(1, 2): {(3,): {}}}, "a request that ends inside a node splits it"),
-        ([[1, 2, 3], [1, 2, 3]], {(1, 2, 3): {}}, "a repeated request adds nothing"),
-        ([[1, 2], [1, 2, 3, 4]], {(1, 2): {(3, 4): {}}}, "an extension hangs below"),
-        ([[1, 2], [3]], {(1, 2): {}, (3,): {}}, "a request sharing nothing hangs at the root"),
-    ):
-        root = call_reader(f"build_tree({reqs})", build_tree, reqs)
-        expect(tree_dict(root) == shape,
-               f"build_tree({reqs}) built {tree_dict(root)}, expected {shape} ({label}).")
-        used = sorted(itertools.chain.from_iterable(_paths(root)[tuple(r)] for r in reqs))
-        fresh = len({tuple(r[:i]) for r in reqs for i in range(1, len(r) + 1)})
-        expect(len(set(used)) == fresh and max(used) == fresh - 1,
-               f"build_tree({reqs}) used slots {sorted(set(used))}; expected exactly 0..{fresh - 1}"
-               " (one fresh slot per token not yet cached).")
-    passed("2.4", "A, B, C give [101, 11] -> {[12] -> {[21, 22], [31, 32]}, [99]} with 8 slots "
-                  "for 13 tokens")
+@checker("2.4", "The tree keeps the slots it already has; the request's copies of those are "
+                "the duplicates. Which pages of the request hold them, and what is a page's "
+                "number in a pool of pages?")
+def check_insert_pages(insert_pages: Callable[[RadixNode, list[int], list[int]], list[int]]
+                       ) -> None:
+    """Exercise 2.4: a paged insert that returns the request's duplicate pages to free."""
+    for name, page, requests in _PAGED_CASES:
+        root = RadixNode(page_key(page))
+        ref = RadixCache(page_size=page)
+        for k, ids in enumerate(requests):
+            slots = _own_slots(k, len(ids), page)
+            want_dup = [s // page for s in slots[: ref.insert_prefix(ids, slots).cached_len:page]]
+            what = (f"insert_pages(root, ids={ids}, slots={slots}) with page_size {page}, after "
+                    f"inserting {requests[:k]} ({name})")
+            got = as_int_list(call_reader(what, insert_pages, root, list(ids), list(slots)))
+            expect(got == want_dup,
+                   f"{what} returned the duplicate pages {got}, expected {want_dup}.")
+            have, want = tree_dict(root), tree_dict(ref)
+            expect(have == want, f"{what}: the tree is now {have}, expected {want}.",
+                   "Split where the request leaves a node, even where it simply ends there.")
+            have_slots, want_slots = _slot_paths(root), _slot_paths(ref.root)
+            expect(have_slots == want_slots,
+                   f"{what}: the slots along each path are {have_slots}, expected "
+                   f"{want_slots}.")
+    passed("2.4", f"{len(_PAGED_CASES)} insert sequences: the tree as RadixCache builds it, and "
+                  "exactly the duplicate pages returned")

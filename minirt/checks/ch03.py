@@ -1,8 +1,8 @@
-"""Checkers for chapter 03: the match walk, page alignment and offsets, hashed blocks, hit counts.
+"""Checkers for chapter 03: the match walk, the offset design, hashed blocks, hit counts.
 
 Each checker runs the reader's function on several inputs, compares with a reference
 computed here (the first and last with ``RadixCache`` itself), and names the first input
-that disagrees.
+that disagrees (input, expected, got); a repeated failure adds a hint toward the idea.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 from ..cache import RadixCache, insert_fresh
 from ..radix import RadixNode
 from ..viz import tree_dict
-from ._common import call_reader, expect, passed
+from ._common import call_reader, checker, expect, passed
 
 __all__ = [
     "check_aligned_hits",
     "check_hash_reuse",
     "check_match_walk",
-    "check_reuse_and_offset",
+    "check_offset_design",
 ]
 
 
@@ -65,6 +65,8 @@ def _build(page_size: int, requests: list[list[int]]) -> RadixCache:
     return cache
 
 
+@checker("3.1", "Draw the tree for the failing input and walk it by hand. Where can a match "
+                "stop, and what must stay untouched while you look?")
 def check_match_walk(match_walk: Callable[[RadixNode, list[int], int], tuple]) -> None:
     """Exercise 3.1: ``match_walk(root, ids, page_size) -> (cached_len, slots)``, read-only."""
     tried = 0
@@ -81,9 +83,7 @@ def check_match_walk(match_walk: Callable[[RadixNode, list[int], int], tuple]) -
                              "a list or 1-D tensor of ints.")
             got = (got[0], _as_list(got[1]))
             expect(got == want,
-                   f"{what} returned (cached_len, slots) = {got}, expected {want}: descend while "
-                   "whole nodes agree, stop inside a node at the agreement rounded down to whole "
-                   "pages, and return the slots of exactly the matched tokens.")
+                   f"{what} returned (cached_len, slots) = {got}, expected {want}.")
             expect(tree_dict(mine) == shape and _node_count(mine.root) == count,
                    f"{what} changed the tree (a split?). This walk only looks: it must not "
                    "modify any node.")
@@ -93,21 +93,68 @@ def check_match_walk(match_walk: Callable[[RadixNode, list[int], int], tuple]) -
 
 # --------------------------------------------------------------------------- 3.2
 
-_OFFSET_CASES = [(20, 16), (16, 16), (15, 16), (40, 16), (5, 1), (33, 8), (0, 16), (31, 16),
-                 (64, 32), (7, 4)]
+
+def _blocks(first: int, start: int, stop: int, page: int) -> list[int]:
+    """Block numbers ``first, first + 1, ...`` covering positions ``start..stop`` (a partial
+    last block counts)."""
+    return list(range(first, first + -(-(stop - start) // page)))
 
 
-def check_reuse_and_offset(reuse_and_offset: Callable[[int, int], tuple[int, int]]) -> None:
-    """Exercise 3.2: ``reuse_and_offset(common_len, page_size) -> (reused, offset)``."""
-    for common, page in _OFFSET_CASES:
-        want = (common // page * page, common % page)
-        got = call_reader(f"reuse_and_offset({common}, {page})", reuse_and_offset, common, page)
-        expect(isinstance(got, tuple) and tuple(got) == want,
-               f"reuse_and_offset({common}, {page}) returned {got!r}, expected {want}: only whole "
-               "pages are reused (round the common prefix down to a multiple of the page "
-               "size); the offset design's original branch starts at that boundary and skips "
-               "the common tokens that spill into the next page.")
-    passed("3.2", "20 common tokens with pages of 16: 16 reused, offset 4")
+def _offset_design(x: list[int], y: list[int], page: int) -> dict:
+    """What the offset design stores after caching x (blocks 100, ...) and then y (200, ...)."""
+    common = 0
+    while x[common] == y[common]:
+        common += 1
+    aligned = common // page * page
+    x_blocks = _blocks(100, 0, len(x), page)
+    return {
+        "reused": aligned,
+        "common": {"span": (0, aligned), "blocks": x_blocks[: aligned // page]},
+        "original": {"span": (common, len(x)), "blocks": x_blocks[aligned // page:],
+                     "offset": common - aligned, "key": x[common]},
+        "new": {"span": (aligned, len(y)), "blocks": _blocks(200, aligned, len(y), page),
+                "key": y[common]},
+    }
+
+
+_OFFSET_PAIRS: list[tuple[str, list[int], list[int], int]] = [
+    ("X and Y of the chapter", X, Y, 16),
+    ("a fork right on a page boundary", X, X[:16] + [7] * 20, 16),
+    ("a fork inside the first page", X, X[:5] + [7] * 30, 16),
+    ("small pages", list(range(1, 11)), [1, 2, 3, 4, 5, 99, 98], 4),
+    ("Y shorter than the page it forks in", X, X[:35] + [1, 2], 16),
+    ("pages of 8, X not a whole number of pages", X[:45], X[:27] + [0] * 10, 8),
+]
+
+
+def _normal(got) -> object:
+    """The reader's dict with tuples/lists/tensors of ints made comparable."""
+    if isinstance(got, dict):
+        return {k: _normal(v) for k, v in got.items()}
+    if isinstance(got, (list, tuple, torch.Tensor)):
+        return _as_list(got)
+    return got
+
+
+@checker("3.2", "Look at the drawing of the offset design's tree: where does each of the "
+                "three nodes start, and which blocks can X's branch keep without copying "
+                "anything? Y can reuse only blocks that are entirely right for it.")
+def check_offset_design(offset_design: Callable[[list[int], list[int], int], dict]) -> None:
+    """Exercise 3.2: predict the offset design's tree and reuse for a pair of requests."""
+    for name, x, y, page in _OFFSET_PAIRS:
+        want = _normal(_offset_design(x, y, page))
+        common = _offset_design(x, y, page)["original"]["span"][0]
+        what = (f"offset_design(x, y, page_size={page}) ({name}; x = {len(x)} tokens, y = "
+                f"{len(y)} tokens, the first {common} equal)")
+        got = _normal(call_reader(what, offset_design, list(x), list(y), page))
+        expect(isinstance(got, dict) and set(got) == set(want),
+               f"{what} returned {got!r}; expected a dict with the keys {sorted(want)}, for "
+               "example {'reused': 16, 'common': {'span': (0, 16), 'blocks': [100]}, ...}.")
+        for part in ("reused", "common", "original", "new"):
+            expect(got[part] == want[part],
+                   f"{what}: {part!r} is {got[part]!r}, expected {want[part]!r}.")
+    passed("3.2", "the offset design forks at the token and keeps an offset, yet reuses exactly "
+                  "the whole pages, as RadixCache does")
 
 
 # --------------------------------------------------------------------------- 3.3
@@ -147,17 +194,15 @@ _HASH_CASES: list[tuple[str, list[list[int]], list[int], int]] = [
 ]
 
 
+@checker("3.3", "Two blocks are the same block only if they have the same name. What does a "
+                "block's name depend on besides its own tokens?")
 def check_hash_reuse(hash_reuse: Callable[[list[list[int]], list[int], int], int]) -> None:
     """Exercise 3.3: tokens of ``ids`` a chained-block-hash cache holding ``cached`` can reuse."""
     for label, cached, ids, block in _HASH_CASES:
         want = _ref_hash_reuse(cached, ids, block)
         what = f"hash_reuse(cached, ids, {block}) ({label}; ids = {ids[:6]}..., {len(ids)} tokens)"
         got = call_reader(what, hash_reuse, [list(c) for c in cached], list(ids), block)
-        expect(got == want,
-               f"{what} returned {got!r}, expected {want}: cut every sequence into full blocks "
-               "from position 0, name each block by a hash of its tokens chained with the "
-               "previous block's name, and count the leading blocks of ids whose names are "
-               "known.")
+        expect(got == want, f"{what} returned {got!r}, expected {want}.")
     passed("3.3", "chained full-block hashes: blocks line up from position 0, so no offset")
 
 
@@ -168,6 +213,9 @@ def _replay_hits(requests: list[list[int]], page_size: int) -> int:
     return _build(page_size, requests).stats.hit_tokens
 
 
+@checker("3.4", "When request i arrives, which requests are in the tree, and what did "
+                "inserting each of them keep? A match can only return whole pages of what is "
+                "there.")
 def check_aligned_hits(aligned_hits: Callable[[list[list[int]], int], int]) -> None:
     """Exercise 3.4: ``aligned_hits(requests, page_size)`` = hit tokens of an unbounded
     page-aligned RadixCache that matches, then inserts, each request in order."""
@@ -183,8 +231,6 @@ def check_aligned_hits(aligned_hits: Callable[[list[list[int]], int], int]) -> N
         want = _replay_hits(reqs, page)
         what = f"aligned_hits({reqs if len(str(reqs)) < 160 else '[...]'}, page_size={page})"
         got = call_reader(what, aligned_hits, [list(r) for r in reqs], page)
-        expect(got == want,
-               f"{what} returned {got!r}, expected {want} (what RadixCache reports): each "
-               "request hits the longest prefix it shares with any EARLIER request, rounded "
-               "down to whole pages request by request.")
+        expect(got == want, f"{what} returned {got!r}, expected {want} (what RadixCache "
+                            "reports).")
     passed("3.4", f"{len(cases)} request streams predicted exactly")

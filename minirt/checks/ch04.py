@@ -1,10 +1,11 @@
-"""Checkers for chapter 04: lock/unlock bookkeeping, the finish step, page tables through the
-R1/R2 story, and ``make_room`` (where evict and free meet).
+"""Checkers for chapter 04: lock/unlock bookkeeping, where every slot goes at finish, page
+tables through the R1/R2 story, and an eviction policy that prefers cheap recomputation.
 
 Each checker builds its own scenarios, runs the reader's function next to minirt's own
 (``RadixCache.lock``, ``Lifecycle.finish``, ``Lifecycle.make_room``) on an identical twin,
-and names the first scenario where they disagree. Scenarios that need a model run a tiny
-random one (``tiny_model``): only which slots go where matters here, not the tokens.
+and names the first scenario where they disagree (input, expected, got); a repeated
+failure adds a hint toward the idea. Scenarios that need a model run a tiny random one
+(``tiny_model``): only which slots go where matters here, not the tokens.
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 
 from ..cache import CacheHandle, RadixCache, insert_fresh
-from ..errors import MinirtError, OutOfMemoryError
-from ..lifecycle import Lifecycle, Request, check_integrity, state_snapshot
+from ..eviction import EvictionPolicy
+from ..lifecycle import Lifecycle, Request
 from ..pool import KVPool
 from ..radix import RadixNode
-from ._common import as_int_list, expect, passed
+from ._common import as_int_list, call_reader, checker, expect, passed
 
 __all__ = [
     "PAGE_TABLE_STEPS",
-    "check_finish",
+    "CostPolicy",
     "check_lock_path",
-    "check_make_room",
     "check_page_tables",
+    "check_recompute_cost",
+    "check_slot_fates",
     "page_table_story",
 ]
 
@@ -88,7 +90,7 @@ def _tree(inserts: Sequence[Sequence[int]]) -> RadixCache:
 
 # (what it shows, cached sequences, operations: ("lock" | "unlock", prefix naming the node))
 LOCK_SCENARIOS: list[tuple[str, list[list[int]], list[tuple[str, list[int]]]]] = [
-    ("one request on the seed's S + [31, 32]", [_S, _S + [31, 32]],
+    ("one request on S + [31, 32]", [_S, _S + [31, 32]],
      [("lock", _S + [31, 32]), ("unlock", _S + [31, 32])]),
     ("two requests share S: the second lock moves nothing", [_S, _S + [31, 32]],
      [("lock", _S), ("lock", _S + [31, 32]), ("unlock", _S), ("unlock", _S + [31, 32])]),
@@ -112,6 +114,8 @@ def _node_at(cache: RadixCache, ids: Sequence[int]) -> RadixNode:
     return node
 
 
+@checker("4.1", "Follow the node's parent pointers on the drawn tree. Which nodes does one "
+                "request hold, and when does a count change what is evictable?")
 def check_lock_path(update_path: Callable[[RadixNode, int], int]) -> None:
     """Exercise 4.1: ``update_path(node, +1)`` (lock) / ``update_path(node, -1)`` (unlock)
     change ``ref_count`` on the node and every ancestor up to and including the root, and
@@ -128,20 +132,15 @@ def check_lock_path(update_path: Callable[[RadixNode, int], int]) -> None:
             expected_moved = abs(ref.protected_size - before)
             delta = 1 if op == "lock" else -1
             call = f"update_path(node {ids}, {delta:+d})"
-            got = update_path(_node_at(mine, ids), delta)
+            got = call_reader(call, update_path, _node_at(mine, ids), delta)
             done.append(f"{op}({ids})")
             where = f"in scenario '{name}', after {' -> '.join(done)}"
             for x, y in zip(_nodes(mine), _nodes(ref), strict=True):
                 expect(x.ref_count == y.ref_count,
                        f"{where}: node {_path_tokens(x) or 'root'} has ref_count "
-                       f"{x.ref_count}, expected {y.ref_count}. {op} changes the count of "
-                       "the node AND every ancestor up to the root, even ancestors that are "
-                       "already locked.")
+                       f"{x.ref_count}, expected {y.ref_count}.")
             expect(isinstance(got, int) and not isinstance(got, bool) and got == expected_moved,
-                   f"{call} returned {got!r} {where}; expected "
-                   f"{expected_moved}: the tokens of the nodes whose ref_count went "
-                   f"{'0 -> 1' if op == 'lock' else '1 -> 0'} (a node already in use moves "
-                   "nothing).")
+                   f"{call} returned {got!r} {where}; expected {expected_moved} tokens moved.")
             ops += 1
     passed("4.1", f"{ops} locks and unlocks in {len(LOCK_SCENARIOS)} trees: ref counts and "
                   "evictable/protected moves agree with RadixCache")
@@ -149,7 +148,8 @@ def check_lock_path(update_path: Callable[[RadixNode, int], int]) -> None:
 
 # --------------------------------------------------------------------------- 4.2
 
-FinishFn = Callable[[KVPool, RadixCache, Request], None]
+FatesFn = Callable[[Request, int, int], Mapping[str, Sequence[int]]]
+FATES = ("kept", "duplicate", "cached", "tail")
 
 
 def _lifecycle(capacity: int, page_size: int = 1) -> Lifecycle:
@@ -215,57 +215,55 @@ FINISH_SCENARIOS: list[tuple[str, Callable[[], tuple[Lifecycle, Request]]]] = [
 ]
 
 
-def _pool_and_tree(lc: Lifecycle) -> tuple:
-    return state_snapshot(lc)[:4]
+def _tree_has(lc: Lifecycle, req: Request) -> int:
+    """Leading tokens (with K/V) of ``req`` the tree holds now, in whole pages, read-only."""
+    ids = req.tokens[: req.kv_len].tolist()
+    node, pos, page = lc.cache.root, 0, lc.cache.page_size
+    while len(ids) - pos >= page:
+        child = node.children.get(lc.cache.key_fn(torch.tensor(ids[pos:])))
+        if child is None:
+            break
+        m = child.get_match_len(torch.tensor(ids[pos:]))
+        pos += m
+        if m < child.length:
+            break
+        node = child
+    return pos
 
 
-def check_finish(finish: FinishFn) -> None:
-    """Exercise 4.2: ``finish(pool, cache, req)`` caches a finished request's tokens with K/V,
-    frees its duplicates and the part it could not insert, and unlocks its handle: no slot
-    leaked, none freed twice, no other request's K/V freed."""
+def slot_fates_reference(req: Request, tree_has: int, page_size: int) -> dict[str, list[int]]:
+    """Where each of ``req``'s slots goes when ``Lifecycle.finish`` runs."""
+    slots = req.page_table.slots.tolist()
+    aligned = req.kv_len - req.kv_len % page_size
+    private = req.private.tolist()
+    return {"kept": slots[: req.cached_len], "duplicate": slots[req.cached_len:tree_has],
+            "cached": slots[tree_has:aligned], "tail": private[aligned - req.cached_len:]}
+
+
+@checker("4.2", "Finish inserts only what has K/V, in whole pages, and the tree keeps the "
+                "slots it already had. For each position of the request, ask: did the tree "
+                "own it before, does it own it after, and whose copy survives?")
+def check_slot_fates(slot_fates: FatesFn) -> None:
+    """Exercise 4.2: predict, before ``finish``, where every slot of a request ends up."""
     with _one_thread():
         for name, build in FINISH_SCENARIOS:
-            mine_lc, mine = build()
-            ref_lc, ref = build()
-            ref_lc.finish(ref)
-            others = [r for r in mine_lc.running if r is not mine]
-            try:
-                finish(mine_lc.pool, mine_lc.cache, mine)
-            except MinirtError as exc:
-                raise AssertionError(
-                    f"In scenario '{name}', your finish raised {type(exc).__name__}: {exc}. "
-                    "A PoolError from free usually means a double free: freeing slots that "
-                    "are already free, or that the tree owns.") from None
-            mine.state, mine.handle = "finished", None
-            mine.private = torch.empty(0, dtype=torch.int64)
-            try:
-                check_integrity(mine_lc.pool, mine_lc.cache, others)
-            except AssertionError as exc:
-                msg = str(exc)
-                hint = ""
-                if "leaked" in msg:
-                    hint = (" Some slots are neither free nor in the tree: a leak. Did you free "
-                            "the duplicates (slots [cached_len:insert's cached_len]) and "
-                            "everything past the inserted length?")
-                elif "ref_count" in msg:
-                    hint = " A lock is still held (or released twice): unlock req.handle once."
-                elif "owned twice" in msg or "free slots" in msg:
-                    hint = (" A slot is both free and still in use: did you free slots that "
-                            "now belong to the tree (or to another request)?")
-                raise AssertionError(f"In scenario '{name}', after your finish: {msg}.{hint}") \
-                    from None
-            got, want = _pool_and_tree(mine_lc), _pool_and_tree(ref_lc)
-            expect(got[0] == want[0],
-                   f"In scenario '{name}', the free pages after your finish are {list(got[0])}, "
-                   f"expected {list(want[0])}.")
-            expect(got[1:] == want[1:],
-                   f"In scenario '{name}', the tree after your finish differs from minirt's: "
-                   f"cached {got[2] + got[3]} tokens ({got[2]} evictable, {got[3]} protected), "
-                   f"expected {want[2] + want[3]} ({want[2]} evictable, {want[3]} protected). "
-                   "Insert the tokens that have K/V (req.tokens[:req.kv_len]) with the page "
-                   "table's slots.")
-    passed("4.2", f"{len(FINISH_SCENARIOS)} finishes: nothing leaked, nothing freed twice, "
-                  "locks released, the tree as minirt's")
+            lc, req = build()
+            tree_has, page = _tree_has(lc, req), lc.pool.page_size
+            want = slot_fates_reference(req, tree_has, page)
+            what = (f"slot_fates(req, tree_has={tree_has}, page_size={page}) in scenario "
+                    f"'{name}' (page table {req.page_table.tolist()}, cached_len "
+                    f"{req.cached_len}, kv_len {req.kv_len}, private {req.private.tolist()})")
+            got = call_reader(what, slot_fates, req, tree_has, page)
+            expect(isinstance(got, Mapping) and set(got) == set(FATES),
+                   f"{what} returned {got!r}; expected a dict with the keys {list(FATES)}, "
+                   "each a list of slots, e.g. {'kept': [0, 1], 'duplicate': [], 'cached': "
+                   "[4, 5], 'tail': [6]}.")
+            for fate in FATES:
+                have = as_int_list(got[fate])
+                expect(have is not None and sorted(have) == sorted(want[fate]),
+                       f"{what}: {fate!r} is {got[fate]!r}, expected {want[fate]}.")
+    passed("4.2", f"{len(FINISH_SCENARIOS)} finishes predicted slot by slot: kept, duplicate "
+                  "(freed), newly cached, tail (freed)")
 
 
 # --------------------------------------------------------------------------- 4.3
@@ -305,112 +303,128 @@ def page_table_story() -> dict[str, dict[str, object]]:
         return out
 
 
+_STEP_NUDGES = {
+    "admit R1": "R1's match stops before its last prompt token; only the gap gets slots.",
+    "admit R2": "R2 shares S with R1 but nothing after it: which positions come from the tree?",
+    "decode R1 and R2": "Each request feeds its last output token, which needs a slot first; "
+                        "R1 is served first.",
+    "finish R1 and R2": "After finishing, what does the tree own, and is any slot left on the "
+                        "free list? A finished request has no page table.",
+    "admit R3": "R3 needs one slot and none is free, so something is evicted. Of the unlocked "
+                "leaves, which was used least recently: which request's output leaf went into "
+                "the tree first, and did R3's match touch either?",
+}
+
+
+@checker("4.3", "Replay the story one step at a time on paper, with the pool as a row of 11 "
+                "boxes.")
 def check_page_tables(predicted: Mapping[str, Mapping[str, object]]) -> None:
     """Exercise 4.3: your predicted page tables and free list after each step of the story."""
     truth = page_table_story()
+    example = "{'admit R1': {'page_tables': {'R1': [0, 1, ...]}, 'free': [6, ...]}, ...}"
     expect(isinstance(predicted, Mapping),
-           f"expected a dict from step name to {{'page_tables': ..., 'free': ...}}, got "
-           f"{type(predicted).__name__}")
+           f"predicted is a {type(predicted).__name__}; expected a dict from step name to "
+           f"{{'page_tables': ..., 'free': ...}}, e.g. {example}")
     for step in PAGE_TABLE_STEPS:
-        expect(step in predicted, f"no prediction for step {step!r} (steps: {PAGE_TABLE_STEPS})")
+        expect(step in predicted,
+               f"no prediction for step {step!r}; expected one key per step: {PAGE_TABLE_STEPS}")
         want, got = truth[step], predicted[step]
+        nudge = _STEP_NUDGES[step]
         free = as_int_list(got.get("free", ())) if isinstance(got, Mapping) else None
         expect(free is not None and free == want["free"],
-               f"after '{step}' you predicted the free list {free!r}; it is {want['free']}. "
-               "Allocation takes the lowest-numbered free slots; eviction returns a leaf's "
-               "slots to the free list first.")
+               f"after '{step}' you predicted the free list {free!r}; it is {want['free']}.",
+               nudge)
         tables = got.get("page_tables", {})
         expect(isinstance(tables, Mapping) and set(tables) == set(want["page_tables"]),
                f"after '{step}' you predicted page tables for {sorted(tables)}; the running "
-               f"requests are {sorted(want['page_tables'])}.")
+               f"requests are {sorted(want['page_tables'])}.", nudge)
         for rid, slots in want["page_tables"].items():
             mine = as_int_list(tables[rid])
             expect(mine == slots,
-                   f"after '{step}' you predicted {rid}'s page table {mine!r}; it is {slots}. "
-                   "Cached positions point at the tree's slots; only the uncached gap and each "
-                   "decoded token get new slots.")
+                   f"after '{step}' you predicted {rid}'s page table {mine!r}; it is {slots}.",
+                   nudge)
     passed("4.3", f"page tables and free list right at all {len(PAGE_TABLE_STEPS)} steps")
 
 
 # --------------------------------------------------------------------------- 4.4
 
-MakeRoomFn = Callable[[KVPool, RadixCache, int], object]
+CostFn = Callable[[RadixNode, int], int]
 
 
-def _room_scenario(lock: bool) -> tuple[KVPool, RadixCache]:
-    """A 16-slot pool: A, B, C cached (8 slots), 3 slots held by a running request, 5 free.
+def recompute_cost_reference(node: RadixNode, weights: int) -> int:
+    """Units to prefill a node's tokens again: ``weights + p + 1`` for the token at position p."""
+    start, up = 0, node.parent
+    while up is not None:
+        start += up.length
+        up = up.parent
+    return sum(weights + p + 1 for p in range(start, start + node.length))
 
-    With ``lock``, C's path (3 tokens) is locked by a running request.
-    """
-    pool = KVPool(1, 1, 1, 16)
-    cache = RadixCache()
-    for ids in (_A, _B, _C):
+
+class CostPolicy(EvictionPolicy):
+    """Evict the leaf that is cheapest to recompute first (ties: the older node id)."""
+
+    name = "cheapest"
+
+    def __init__(self, cost: CostFn, weights: int = 16) -> None:
+        self.cost, self.weights = cost, weights
+
+    def key(self, node: RadixNode) -> tuple[int, ...]:
+        return (int(self.cost(node, self.weights)), node.id)
+
+
+# Built so that no insert splits an existing leaf (the shared prefix goes in first).
+_LONG = list(range(40, 52))
+_COST_TREE = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11],
+              [20, 21, 22], _LONG, [1, 2, 3, 4, 5, 6, 7, 8, 30], [60]]
+
+
+def _cost_scenario(cost: CostFn, weights: int, lock_long: bool):
+    pool = KVPool(1, 1, 1, 40)
+    cache = RadixCache(policy=CostPolicy(cost, weights))
+    for ids in _COST_TREE:
         m = cache.match_prefix(ids)
-        fresh = pool.alloc(len(ids) - m.cached_len)
-        cache.insert_prefix(ids, torch.cat([m.indices, fresh]))
-    pool.alloc(3)  # a running request's private slots
-    cache.match_prefix(_A)  # A used recently: B's leaf is the least recently used
-    if lock:
-        cache.lock(cache.match_prefix(_C).handle)
+        cache.insert_prefix(ids, torch.cat([m.indices, pool.alloc(len(ids) - m.cached_len)]))
+    if lock_long:
+        cache.lock(cache.match_prefix(_LONG).handle)
+    pool.alloc(pool.num_free - 2)  # two slots stay free
     return pool, cache
 
 
-def _reference_make_room(pool: KVPool, cache: RadixCache, n: int) -> None:
-    lc = Lifecycle(None, pool, cache)
-    lc.make_room(n)
+def _cached_paths(cache: RadixCache) -> list[list[int]]:
+    out, stack = [], [(cache.root, [])]
+    while stack:
+        node, path = stack.pop()
+        path = path + node.key.tolist()
+        if node.parent is not None:
+            out.append(path)
+        stack.extend((c, path) for c in node.children.values())
+    return sorted(out)
 
 
-def _room_state(pool: KVPool, cache: RadixCache) -> tuple:
-    lc = Lifecycle(None, pool, cache)
-    return state_snapshot(lc)[:4]
-
-
-ROOM_CASES = [(False, n) for n in (0, 3, 5, 6, 7, 9, 13, 14)] + \
-             [(True, n) for n in (4, 6, 9, 10, 11, 12)]
-
-
-def check_make_room(make_room: MakeRoomFn) -> None:
-    """Exercise 4.4: ``make_room(pool, cache, n)`` leaves at least ``n`` free slots by evicting
-    only the shortfall and freeing what eviction returns; if free + evictable cannot cover
-    ``n`` it raises OutOfMemoryError and changes nothing."""
-    for lock, n in ROOM_CASES:
-        pool, cache = _room_scenario(lock)
-        ref_pool, ref_cache = _room_scenario(lock)
-        call = (f"make_room(pool, cache, {n}) with {pool.num_free} free, "
-                f"{cache.evictable_size} evictable{' (C locked)' if lock else ''}")
-        before = _room_state(pool, cache)
-        try:
-            _reference_make_room(ref_pool, ref_cache, n)
-            fits = True
-        except OutOfMemoryError:
-            fits = False
-        try:
-            make_room(pool, cache, n)
-            raised = None
-        except MinirtError as exc:
-            raised = exc
-        if not fits:
-            expect(isinstance(raised, OutOfMemoryError),
-                   f"{call}: free + evictable < {n}, so it must raise OutOfMemoryError; "
-                   f"{'it returned normally' if raised is None else f'it raised {raised!r}'}.")
-            expect(_room_state(pool, cache) == before,
-                   f"{call} raised, but the pool or the tree changed: check that there is "
-                   "enough room BEFORE evicting anything (evict nothing, free nothing).")
-            continue
-        expect(raised is None, f"{call} raised {raised!r}; there is room for {n}.")
-        expect(pool.num_free >= n,
-               f"{call}: afterwards only {pool.num_free} slots are free. Evicted slots are "
-               "not free until you give them back with pool.free(...).")
-        cache.check_integrity()
-        tree_slots = set(cache.all_values().tolist())
-        freed_in_tree = tree_slots & set(pool.free_slots().tolist())
-        expect(not freed_in_tree,
-               f"{call}: slots {sorted(freed_in_tree)} are free but still in the tree. Never "
-               "free cached slots directly: evict them from the tree first.")
-        expect(_room_state(pool, cache) == _room_state(ref_pool, ref_cache),
-               f"{call}: the tree now caches {cache.total_size} tokens and {pool.num_free} "
-               f"slots are free; minirt's make_room leaves {ref_cache.total_size} cached and "
-               f"{ref_pool.num_free} free. Evict only the shortfall, n - pool.num_free, and "
-               "nothing when the free list already has n.")
-    passed("4.4", f"{len(ROOM_CASES)} requests for room: evictions minimal, evicted slots "
-                  "freed, refusals change nothing")
+@checker("4.4", "Recomputing a token means running it through the model again after "
+                "everything before it. What does that cost depend on besides the node's own "
+                "length?")
+def check_recompute_cost(recompute_cost: CostFn) -> None:
+    """Exercise 4.4: a leaf's recompute cost, used as an eviction key by ``make_room``."""
+    for weights in (16, 0, 3):
+        _, cache = _cost_scenario(recompute_cost_reference, weights, False)
+        for node in sorted(cache.nodes(), key=_path_tokens):
+            want = recompute_cost_reference(node, weights)
+            what = (f"recompute_cost(node {node.key.tolist()} under "
+                    f"{_path_tokens(node)[: -node.length] or 'the root'}, weights={weights})")
+            got = call_reader(what, recompute_cost, node, weights)
+            expect(isinstance(got, int) and not isinstance(got, bool) and got == want,
+                   f"{what} returned {got!r}, expected {want}.")
+    for lock_long in (False, True):
+        for n in (3, 5, 9, 14):
+            pool, cache = _cost_scenario(recompute_cost, 16, lock_long)
+            ref_pool, ref_cache = _cost_scenario(recompute_cost_reference, 16, lock_long)
+            Lifecycle(None, ref_pool, ref_cache).make_room(n)
+            what = (f"make_room({n}) with 2 slots free, evicting by your cost"
+                    f"{' (the 12-token leaf locked)' if lock_long else ''}")
+            call_reader(what, Lifecycle(None, pool, cache).make_room, n)
+            expect(_cached_paths(cache) == _cached_paths(ref_cache),
+                   f"{what}: the tree keeps {_cached_paths(cache)}, expected "
+                   f"{_cached_paths(ref_cache)}.")
+    passed("4.4", "recompute costs right on every node; make_room evicts the cheapest leaves "
+                  "to recompute first")

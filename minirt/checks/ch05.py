@@ -1,9 +1,10 @@
 """Checkers for chapter 05: which nodes eviction may take, what evicting an internal node
-would break, block reference counts, and Belady's optimum at token granularity.
+would break, block reference counts when the tree holds a reference, and Belady's optimum
+at token granularity.
 
 Every checker builds its own inputs, runs the reader's function, compares with a
 reference (the real ``RadixCache.evict``, or ``belady_hit_rate``) and names the first
-input that disagrees.
+input that disagrees (input, expected, got); a repeated failure adds a hint toward the idea.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 from ..cache import RadixCache, insert_fresh
 from ..radix import RadixNode
 from ..simulate import belady_hit_rate
-from ._common import as_int_list, expect, passed
+from ._common import as_int_list, call_reader, checker, expect, passed
 
 __all__ = ["check_belady_hits", "check_eviction_order", "check_orphaned_slots", "check_refcounts"]
 
@@ -28,7 +29,7 @@ _A, _B, _C = [101, 11, 12, 21, 22], [101, 11, 12, 31, 32], [101, 11, 99]
 
 # (what it shows, script, token counts to ask for)
 EVICTION_TREES: list[tuple[str, list[tuple[str, list[int]]], list[int]]] = [
-    ("the seed's A/B/C tree, nothing locked",
+    ("the A/B/C tree, nothing locked",
      [("insert", _A), ("insert", _B), ("insert", _C)], [1, 2, 3, 4, 5, 8]),
     ("A/B/C with C running (locked)",
      [("insert", _A), ("insert", _B), ("insert", _C), ("lock", _C)], [1, 2, 3, 5]),
@@ -88,6 +89,8 @@ def _describe(nodes: Sequence[RadixNode]) -> list[list[int]]:
     return [path_tokens(n) for n in nodes]
 
 
+@checker("5.1", "Replay evict by hand on the failing tree, one victim at a time: after each "
+                "removal, which nodes have just become candidates, and which never were?")
 def check_eviction_order(eviction_order: Callable[[RadixCache, int], Sequence[RadixNode]]) -> None:
     """Exercise 5.1: the nodes ``cache.evict(num_tokens)`` would remove, in order, without
     removing them (LRU: smallest ``(last_access, id)`` first among unlocked leaves)."""
@@ -96,9 +99,9 @@ def check_eviction_order(eviction_order: Callable[[RadixCache, int], Sequence[Ra
             mine, theirs = build_cache(script), build_cache(script)
             expect(num_tokens <= mine.evictable_size, "checker bug: asks for too much")
             before = _state(mine)
-            got = eviction_order(mine, num_tokens)
-            expected_slots = theirs.evict(num_tokens).tolist()
             call = f"eviction_order(<{name}>, {num_tokens})"
+            got = call_reader(call, eviction_order, mine, num_tokens)
+            expected_slots = theirs.evict(num_tokens).tolist()
             expect(_state(mine) == before,
                    f"{call} changed the tree: it must only say what evict would remove "
                    "(work on your own bookkeeping, not on the nodes).")
@@ -114,9 +117,7 @@ def check_eviction_order(eviction_order: Callable[[RadixCache, int], Sequence[Ra
                         victims.append(node)
                 expect(False,
                        f"{call} returned nodes {_describe(got)} (paths from the root), expected "
-                       f"{_describe(victims)}. Only unlocked leaves are candidates; the smallest "
-                       "(last_access, id) goes first; a parent whose last child goes becomes a "
-                       "candidate if it is unlocked; stop once at least num_tokens are freed.")
+                       f"{_describe(victims)}.")
     passed("5.1", f"{sum(len(a) for _, _, a in EVICTION_TREES)} eviction orders on "
                   f"{len(EVICTION_TREES)} trees match RadixCache.evict")
 
@@ -135,6 +136,8 @@ _ORPHAN_TREE = [("insert", _A), ("insert", _B), ("insert", _C), ("insert", [101,
                 ("insert", [7, 8])]
 
 
+@checker("5.2", "Matching walks down from the root. Once a node is cut out, which nodes can "
+                "no walk reach any more, and which of them still hold slots?")
 def check_orphaned_slots(orphaned_slots: Callable[[RadixNode], Sequence[int]]) -> None:
     """Exercise 5.2: the pool slots that would become unreachable (and never be freed) if
     ``node`` were cut out of the tree: the slots of every node below it."""
@@ -144,21 +147,21 @@ def check_orphaned_slots(orphaned_slots: Callable[[RadixNode], Sequence[int]]) -
     for node in nodes:
         expected = _orphaned(node)
         inner += bool(expected)
-        got = as_int_list(orphaned_slots(node))
+        call = (f"orphaned_slots(node {path_tokens(node)} with key {node.key.tolist()}, slots "
+                f"{node.value.tolist()})")
+        got = as_int_list(call_reader(call, orphaned_slots, node))
         expect(got is not None and sorted(got) == expected and len(got) == len(expected),
-               f"orphaned_slots(node {path_tokens(node)} with key {node.key.tolist()}, slots "
-               f"{node.value.tolist()}) returned {got!r}, expected {expected} (each once): the "
-               "slots of every node below it, children, grandchildren and deeper. The node's "
-               "own slots are not orphaned: eviction hands those back.")
+               f"{call} returned {got!r}, expected {expected} (each slot once).")
     passed("5.2", f"{len(nodes)} nodes checked; cutting out any of the {inner} inner nodes "
                   "would strand K/V that no request can reach and the pool never gets back")
 
 
-# Reference counts per block, seed 000 style: the cache and every running request hold
-# references; a block goes back to the free list only when its count reaches zero.
+# Reference counts per block in the design where the tree holds a reference: the cache and
+# every running request hold references; a block goes back to the free list only when its
+# count reaches zero. (vLLM v1 does not work this way: its ref_cnt counts requests only.)
 Event = tuple[str, Sequence[int]]
 REFCOUNT_SCENARIOS: list[tuple[str, list[Event]]] = [
-    ("the seed's case: evict a leaf a running request still uses",
+    ("evict a leaf a running request still uses",
      [("alloc", [0, 1]), ("insert", [0, 1]), ("finish", [0, 1]),
       ("hit", [0, 1]), ("alloc", [2, 3]), ("insert", [2, 3]), ("evict", [2, 3]),
       ("finish", [0, 1, 2, 3]), ("evict", [0, 1])]),
@@ -191,11 +194,15 @@ def _replay_refs(events: Sequence[Event]) -> list[list[int]]:
     return freed_per_event
 
 
+@checker("5.3", "Count the holders of one block at a time, event by event. Who still holds "
+                "it after the event, and what does a count of zero mean?")
 def check_refcounts(replay_refs: Callable[[list[Event]], Sequence[Sequence[int]]]) -> None:
-    """Exercise 5.3: which blocks each event physically frees, with block reference counts."""
+    """Exercise 5.3: which blocks each event physically frees, when the tree holds a
+    reference to every cached block."""
     for name, events in REFCOUNT_SCENARIOS:
         expected = _replay_refs(events)
-        got = replay_refs([(kind, list(blocks)) for kind, blocks in events])
+        got = call_reader(f"replay_refs(<{name}>)", replay_refs,
+                          [(kind, list(blocks)) for kind, blocks in events])
         try:
             lists = [as_int_list(g) for g in got]
         except TypeError:
@@ -207,8 +214,7 @@ def check_refcounts(replay_refs: Callable[[list[Event]], Sequence[Sequence[int]]
         for i, (event, want, have) in enumerate(zip(events, expected, got_lists, strict=True)):
             expect(have == want,
                    f"replay_refs(<{name}>): event {i} {event} freed {have}, expected {want}. "
-                   f"Events so far: {events[:i + 1]}. A block is freed only when the last "
-                   "reference to it (the cache's or a running request's) goes.")
+                   f"Events so far: {events[:i + 1]}.")
     passed("5.3", f"{len(REFCOUNT_SCENARIOS)} scenarios; evicting a leaf a running request "
                   "uses frees nothing until the request finishes")
 
@@ -243,21 +249,23 @@ BELADY_TRACES: list[tuple[str, list[list[int]], int]] = [
 ] + [(f"random trace {s}", *_random_trace(s)) for s in range(8)]
 
 
+@checker("5.4", "Run the rule by hand on the failing trace with a cache of a few tokens. "
+                "When is a prefix used next, and which of two equally distant ones can go "
+                "without stranding the other?")
 def check_belady_hits(belady_hits: Callable[[list[list[int]], int], int]) -> None:
     """Exercise 5.4: the most tokens any cache of ``capacity`` tokens could reuse on a trace
     (token-level Belady: evict the token used again furthest in the future, deeper first)."""
     for name, trace, capacity in BELADY_TRACES:
         expected = _belady_hits(trace, capacity)
-        got = belady_hits([list(r) for r in trace], capacity)
+        got = call_reader(f"belady_hits({trace}, capacity={capacity})", belady_hits,
+                          [list(r) for r in trace], capacity)
         ok = not isinstance(got, bool)
         try:
             ok = ok and operator.index(got) == expected
         except TypeError:
             ok = False
         expect(ok, f"belady_hits({trace}, capacity={capacity}) ({name}) returned {got!r}, "
-                   f"expected {expected} reused tokens. After each request, while more than "
-                   "capacity tokens are cached, drop the token whose next use is furthest away "
-                   "(never = furthest), breaking ties toward the deeper token.")
+                   f"expected {expected} reused tokens.")
     hot = BELADY_TRACES[0]
     passed("5.4", f"{len(BELADY_TRACES)} traces; on the chapter's hot-prefix trace the optimum "
                   f"reuses {_belady_hits(hot[1], hot[2])} tokens")

@@ -1,114 +1,169 @@
-"""Checkers for chapter 06: what the engine prefills, when it admits, and what TTFT costs.
+"""Checkers for chapter 06: what the engine prefills turn after turn, which order of a
+queue gives the best TTFT, what a cached prefill costs, and when FCFS admits.
 
 Each checker runs the reader's function on several inputs, compares with a reference
-computed here, and names the first input that disagrees.
+computed here, and names the first input that disagrees (input, expected, got); a
+repeated failure adds a hint toward the idea.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-import operator
 from collections.abc import Callable, Sequence
 
-from ..engine import RequestMetrics
-from ._common import expect, passed
+from ._common import call_reader, checker, expect, passed, same_int
 
 __all__ = [
     "check_admission_steps",
+    "check_best_ttft_order",
+    "check_chat_plan",
     "check_prefill_flops",
-    "check_prefill_plan",
-    "check_time_per_output_token",
+    "chat_plan_reference",
 ]
 
 
-def _same_int(got, expected: int) -> bool:
-    if isinstance(got, bool):
-        return False
-    try:
-        return operator.index(got) == expected
-    except TypeError:
-        return False
+# ---------------------------------------------------------------- 6.1 a chat, turn by turn
+
+Turn = tuple[Sequence[int], Sequence[int]]
 
 
-# ---------------------------------------------------------------- 6.1 prefill plan
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-def _prefill_plan(prompt_len: int, common_len: int, page_size: int) -> tuple[int, int]:
-    """(cached, computed): match all but the last prompt token, in whole pages."""
-    matchable = min(common_len, prompt_len - 1)
-    cached = matchable // page_size * page_size
-    return cached, prompt_len - cached
+def chat_plan_reference(turns: Sequence[Turn], page_size: int) -> list[tuple[int, int]]:
+    """(cached, computed) per request for an engine with an unbounded cache serving
+    ``turns`` (prompt, output) one after another."""
+    held: list[list[int]] = []
+    plan = []
+    for prompt, output in turns:
+        prompt = list(prompt)
+        best = max((_lcp(prompt[:-1], h) for h in held), default=0)
+        cached = best - best % page_size
+        plan.append((cached, len(prompt) - cached))
+        with_kv = prompt + list(output)[:-1]  # the last output token never got K/V
+        held.append(with_kv[: len(with_kv) - len(with_kv) % page_size])
+    return plan
 
 
-PLAN_CASES = [
-    # (prompt_len, common_len with the cache, page_size)
-    (30, 20, 16),     # the seed's case: 20 tokens in common, pages of 16
-    (30, 20, 1),
-    (12, 12, 1),      # the same prompt again: the last token is still computed
-    (12, 40, 1),      # the cache holds a longer sequence that starts with the prompt
-    (32, 32, 16),     # whole prompt cached, 2 pages: only 1 full page is usable
-    (33, 32, 16),
-    (17, 17, 16),
-    (16, 16, 16),     # one page, all cached: nothing usable (the last token needs a page)
-    (100, 0, 4),
-    (1, 0, 1),
-    (1, 5, 1),
-    (1000, 999, 64),
+def _chat(first: list[int], replies: list[list[int]], users: list[list[int]]) -> list[Turn]:
+    """A conversation: each prompt is the previous prompt + its output + the next user part."""
+    turns, prompt = [], list(first)
+    for k, reply in enumerate(replies):
+        turns.append((list(prompt), list(reply)))
+        if k < len(users):
+            prompt = prompt + reply + users[k]
+    return turns
+
+
+_SYS = list(range(100, 120))
+PLAN_CASES: list[tuple[str, list[Turn], int]] = [
+    ("a three-turn chat, pages of 1",
+     _chat(_SYS + [1, 2], [[7, 8, 9], [5, 5], [6]], [[3, 4], [1]]), 1),
+    ("the same chat, pages of 4", _chat(_SYS + [1, 2], [[7, 8, 9], [5, 5], [6]], [[3, 4], [1]]), 4),
+    ("the same prompt twice, one output token each", [(_SYS, [1]), (_SYS, [1])], 1),
+    ("the same prompt twice, pages of 16", [(_SYS, [1, 2]), (_SYS, [1, 2])], 16),
+    ("two conversations interleaved: the third request continues the first",
+     [(_SYS + [1, 2, 3], [9, 9]), ([50, 51, 52, 53], [8]), (_SYS + [1, 2, 3, 9, 9, 4], [3])], 2),
+    ("a follow-up that ends where the cached output ends", [([1, 2, 3, 4], [5, 6, 7]),
+                                                            ([1, 2, 3, 4, 5, 6], [1])], 1),
+    ("nothing shared", [([1, 2, 3], [4]), ([5, 6], [7])], 1),
 ]
 
 
-def check_prefill_plan(prefill_plan: Callable[[int, int, int], tuple[int, int]]) -> None:
-    """Exercise 6.1: cached and computed prompt tokens at admission."""
-    for case in PLAN_CASES:
-        expected = _prefill_plan(*case)
-        got = prefill_plan(*case)
-        ok = (isinstance(got, tuple) and len(got) == 2
-              and all(_same_int(g, e) for g, e in zip(got, expected, strict=True)))
-        prompt_len, common, page = case
-        expect(ok, f"prefill_plan(prompt_len={prompt_len}, common_len={common}, "
-                   f"page_size={page}) returned {got!r}, expected {expected}. The engine "
-                   "matches all but the last prompt token (its logits give the first output "
-                   "token), and only whole pages of that match are reused.")
-    passed("6.1", f"{len(PLAN_CASES)} admissions planned right; with pages of 16, a 20-token "
-                  f"common prefix saves {_prefill_plan(30, 20, 16)[0]} tokens")
+@checker("6.1", "Two questions: what does the tree hold once a request finishes (which of its "
+                "tokens ever had K/V computed?), and which part of a new prompt may a match "
+                "take from it?")
+def check_chat_plan(chat_plan: Callable[[list[Turn], int], Sequence[tuple[int, int]]]) -> None:
+    """Exercise 6.1: (cached, computed) prompt tokens of each request in a stream of turns."""
+    for name, turns, page in PLAN_CASES:
+        want = chat_plan_reference(turns, page)
+        short = [(len(p), len(o)) for p, o in turns]
+        call = f"chat_plan(turns, page_size={page}) ({name}; (prompt, output) lengths {short})"
+        got = call_reader(call, chat_plan, [(list(p), list(o)) for p, o in turns], page)
+        try:
+            pairs = [(int(c), int(n)) for c, n in got]
+        except (TypeError, ValueError):
+            pairs = None
+        expect(pairs is not None and len(pairs) == len(want),
+               f"{call} returned {got!r}; expected one (cached, computed) pair per request, "
+               f"e.g. {want}.")
+        for i, (have, exp) in enumerate(zip(pairs, want, strict=True)):
+            expect(have == exp, f"{call}: request {i} gets (cached, computed) = {have}, "
+                                f"expected {exp}.")
+    passed("6.1", f"{len(PLAN_CASES)} request streams planned right: a turn reuses the last "
+                  "one's prompt and output except its final token, in whole pages")
 
 
-# ---------------------------------------------------------------- 6.2 a new metric
+# ---------------------------------------------------------------- 6.2 best TTFT order
+
+StepTime = Callable[[int, int], float]
 
 
-def _tpot(m: RequestMetrics) -> float:
-    if m.output_tokens <= 1:
-        return 0.0
-    return (m.latency - m.ttft) / (m.output_tokens - 1)
+def _mean_ttft(requests: Sequence[tuple[int, int]], order: Sequence[int],
+               step_time: StepTime) -> float:
+    clock, total = 0.0, 0.0
+    for i in order:
+        clock += step_time(*requests[i])
+        total += clock
+    return total / len(order) if order else 0.0
 
 
-def _metrics(prompt: int, cached: int, out: int, ttft: float, latency: float) -> RequestMetrics:
-    return RequestMetrics(prompt_tokens=prompt, cached_tokens=cached, output_tokens=out,
-                          ttft=ttft, prefill_time=ttft / 2, latency=latency)
+def _linear(prompt_len: int, cached_len: int) -> float:
+    return 2.0 + 1.0 * (prompt_len - cached_len)
 
 
-TPOT_CASES = [
-    _metrics(500, 480, 16, 0.25, 1.75),
-    _metrics(500, 0, 16, 1.5, 3.0),
-    _metrics(80, 0, 2, 0.1, 0.3),
-    _metrics(80, 79, 1, 0.05, 0.05),   # one token: no decode step at all
-    _metrics(10, 0, 101, 0.01, 5.01),
+def _attention(prompt_len: int, cached_len: int) -> float:
+    """Weights per new token plus attention to every earlier token (cached ones included)."""
+    new = prompt_len - cached_len
+    return 1.0 + 0.5 * new + 0.01 * new * (cached_len + (new + 1) / 2)
+
+
+ORDER_CASES: list[tuple[str, list[tuple[int, int]], StepTime, str]] = [
+    ("costs linear in uncached tokens", [(100, 0), (40, 30), (300, 290), (60, 0)], _linear,
+     "2 + uncached"),
+    ("one long prompt mostly cached", [(2000, 1900), (150, 0), (120, 100), (400, 0)], _linear,
+     "2 + uncached"),
+    ("attention to a long cached prefix costs", [(4000, 3900), (160, 0), (90, 60), (500, 0),
+                                                 (1000, 800)], _attention,
+     "1 + 0.5 new + 0.01 new (cached + (new + 1) / 2)"),
+    ("equal prompts, different hits", [(256, 0), (256, 128), (256, 255), (256, 64)],
+     _attention, "1 + 0.5 new + 0.01 new (cached + (new + 1) / 2)"),
+    ("a single request", [(10, 3)], _linear, "2 + uncached"),
 ]
 
 
-def check_time_per_output_token(time_per_output_token: Callable[[RequestMetrics], float]) -> None:
-    """Exercise 6.2: TPOT, the mean time between output tokens after the first."""
-    for m in TPOT_CASES:
-        expected = _tpot(m)
-        got = time_per_output_token(m)
-        ok = isinstance(got, (int, float)) and not isinstance(got, bool) \
-            and math.isclose(float(got), expected, rel_tol=1e-9, abs_tol=1e-12)
-        expect(ok, f"time_per_output_token({m}) returned {got!r}, expected {expected!r}: the "
-                   "time after the first token, (latency - ttft), spread over the "
-                   "output_tokens - 1 decode steps that produced the others (0.0 for one "
-                   "token).")
-    passed("6.2", "TPOT separates decode speed from TTFT; a prefix hit changes TTFT, "
-                  "barely TPOT")
+@checker("6.2", "What does the request served first add to everyone's TTFT, and what does "
+                "the one served last add? Compare two neighbours in the order: when does "
+                "swapping them lower the sum?")
+def check_best_ttft_order(best_ttft_order: Callable[[list[tuple[int, int]], StepTime],
+                                                    Sequence[int]]) -> None:
+    """Exercise 6.2: an order of the waiting requests with the least mean TTFT."""
+    for name, requests, step_time, formula in ORDER_CASES:
+        call = (f"best_ttft_order({requests}, step_time) ({name}; step_time(prompt_len, "
+                f"cached_len) = {formula})")
+        got = call_reader(call, best_ttft_order, list(requests), step_time)
+        try:
+            order = [int(i) for i in got]
+        except (TypeError, ValueError):
+            order = None
+        expect(order is not None and sorted(order) == list(range(len(requests))),
+               f"{call} returned {got!r}; expected the indices 0..{len(requests) - 1} in the "
+               "order to serve them, each once, e.g. [2, 0, 1].")
+        best = min(_mean_ttft(requests, perm, step_time)
+                   for perm in itertools.permutations(range(len(requests))))
+        mine = _mean_ttft(requests, order, step_time)
+        expect(math.isclose(mine, best, rel_tol=1e-9),
+               f"{call} returned the order {order}, whose mean TTFT is {mine:.3f}; the best "
+               f"order's is {best:.3f}.")
+    passed("6.2", f"{len(ORDER_CASES)} queues ordered for the least mean TTFT: the shortest "
+                  "step first, where a step's time counts attention to the cached prefix too")
 
 
 # ---------------------------------------------------------------- 6.3 prefill FLOPs
@@ -129,19 +184,18 @@ FLOP_CASES = [
 ]
 
 
+@checker("6.3", "Count the (query, key) pairs for a tiny case by hand: 2 new tokens after 3 "
+                "cached ones. Which keys does each new query see?")
 def check_prefill_flops(prefill_flops: Callable[[int, int, int, int, int, int], int]) -> None:
     """Exercise 6.3: FLOPs of prefilling ``num_new`` tokens after ``num_cached`` cached ones."""
     for case in FLOP_CASES:
         expected = _prefill_flops(*case)
-        got = prefill_flops(*case)
-        ok = isinstance(got, (int, float)) and not isinstance(got, bool) \
-            and math.isclose(float(got), expected, rel_tol=1e-12)
         names = ("num_new", "num_cached", "params", "layers", "heads", "head_dim")
         args = ", ".join(f"{n}={v}" for n, v in zip(names, case, strict=True))
-        expect(ok, f"prefill_flops({args}) returned {got!r}, expected {expected}: 2 * "
-                   "params per new token, plus 4 * layers * heads * head_dim per (query, key) "
-                   "pair, where new token i (1-based) attends to the cached tokens and to new "
-                   "tokens 1..i.")
+        got = call_reader(f"prefill_flops({args})", prefill_flops, *case)
+        ok = isinstance(got, (int, float)) and not isinstance(got, bool) \
+            and math.isclose(float(got), expected, rel_tol=1e-12)
+        expect(ok, f"prefill_flops({args}) returned {got!r}, expected {expected}.")
     ratio = _prefill_flops(64, 1024, **SMOLLM2) / _prefill_flops(64, 0, **SMOLLM2)
     passed("6.3", f"a 64-token prefill after a 1024-token cached prefix costs {ratio:.2f}x the "
                   "bare 64-token prefill on SmolLM2: attention to the prefix is not free")
@@ -175,22 +229,22 @@ ADMIT_CASES = [
     ([300, 10, 10], 256),        # a long prompt runs alone in its step; nobody overtakes it
     ([10, 300, 10], 256),        # the short one behind the long one waits (FCFS)
     ([1, 1, 1, 1, 1], 2),
-    ([1, 1, 500, 5], 100),       # nearly fully cached prompts cost 1 token (see 6.1)
+    ([1, 1, 500, 5], 100),       # nearly fully cached prompts cost 1 token
     ([64] * 9, 256),
     ([257, 256, 1, 255], 256),
     ([], 10),
 ]
 
 
+@checker("6.4", "Walk the queue by hand with the budget written beside it. What happens "
+                "to a request that does not fit, and to the ones behind it?")
 def check_admission_steps(admission_steps: Callable[[list[int], int], list[int]]) -> None:
     """Exercise 6.4: the scheduling step at which FCFS-within-a-budget admits each request."""
     for uncached, budget in ADMIT_CASES:
         expected = _admission_steps(uncached, budget)
-        got = admission_steps(list(uncached), budget)
+        call = f"admission_steps({uncached}, token_budget={budget})"
+        got = call_reader(call, admission_steps, list(uncached), budget)
         ok = isinstance(got, (list, tuple)) and len(got) == len(expected) \
-            and all(_same_int(g, e) for g, e in zip(got, expected, strict=True))
-        expect(ok, f"admission_steps({uncached}, token_budget={budget}) returned {got!r}, "
-                   f"expected {expected}: strictly first come first served; a step admits "
-                   "requests while their uncached tokens fit the budget left, its first "
-                   "request always goes, and a step whose budget is used up admits no more.")
+            and all(same_int(g, e) for g, e in zip(got, expected, strict=True))
+        expect(ok, f"{call} returned {got!r}, expected {expected}.")
     passed("6.4", f"{len(ADMIT_CASES)} queues scheduled right")
