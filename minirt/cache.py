@@ -14,9 +14,10 @@ Every token the tree holds is either *evictable* (no request uses it) or *protec
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,12 +46,14 @@ __all__ = [
 ]
 
 _HOST = torch.device("cpu")  # the tree's own bookkeeping lives in host memory
+_INT_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64} | {
+    getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)}
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 IdsLike = torch.Tensor | Sequence[int]
 
 
-@dataclass(frozen=True)
-class CacheHandle:
+class CacheHandle(NamedTuple):
     """Where a match (or insert) ended: ``node`` and the prefix length ``cached_len`` it spells.
 
     Pass it to ``lock`` / ``unlock``. It goes stale when its node is evicted or the cache
@@ -61,40 +64,37 @@ class CacheHandle:
     cached_len: int
 
 
-@dataclass(frozen=True, eq=False)
-class MatchResult:
-    """``match_prefix``'s answer: a handle, the cached prefix's length and its slot indices.
+class MatchResult(NamedTuple):
+    """``match_prefix``'s answer: a handle, the cached prefix's length and its slot runs.
 
-    ``indices`` (an int64 tensor) is built from the matched nodes' slot runs the first
-    time it is read: the tree works on ``Tokens`` views, tensors exist only where a
-    caller asks for one. The runs are the slots at match time (a later split or
-    eviction does not change them).
+    ``indices``, the prefix's slots as one int64 tensor, is built from ``runs`` (the
+    matched nodes' values, root side first) when read: the tree itself works on
+    ``Tokens`` views, and a tensor is made only where a caller asks for one.
     """
 
     handle: CacheHandle
     cached_len: int
-    runs: tuple[Tokens, ...] = field(repr=False)
+    runs: tuple[Tokens, ...]
 
-    @cached_property
+    @property
     def indices(self) -> torch.Tensor:
         return slots_tensor(self.runs)
 
 
-@dataclass(frozen=True, eq=False)
-class InsertResult:
+class InsertResult(NamedTuple):
     """``insert_prefix``'s answer.
 
     ``cached_len``: leading tokens that were already cached (the caller's own slots for
     them are duplicates to free); ``handle``: the node ending at the inserted length;
     ``indices``: the tree's slots for the whole inserted prefix (re-point the request's
-    page table at them before freeing anything), built on first read as in MatchResult.
+    page table at them before freeing anything), built from ``runs`` when read.
     """
 
     cached_len: int
     handle: CacheHandle
-    runs: tuple[Tokens, ...] = field(repr=False)
+    runs: tuple[Tokens, ...]
 
-    @cached_property
+    @property
     def indices(self) -> torch.Tensor:
         return slots_tensor(self.runs)
 
@@ -131,6 +131,25 @@ def as_ids(x: IdsLike, what: str = "ids") -> torch.Tensor:
     Raises InvalidIdsError naming ``what`` for anything else: wrong rank, a float or bool
     dtype, negative entries, or values that are not integers at all.
     """
+    t = _int64_tensor(x, what)
+    _check_non_negative(t.numpy().tobytes(), t, what)
+    return t
+
+
+def as_token_view(x: IdsLike, what: str = "ids") -> Tokens:
+    """``x`` checked as by ``as_ids`` and copied once into ``Tokens``: the one conversion
+    a request's ids (or slots) go through per call.
+
+    Every later step compares and slices this view, with no tensor op per tree level.
+    """
+    t = _int64_tensor(x, what)
+    packed = t.numpy().tobytes()
+    _check_non_negative(packed, t, what)
+    return memoryview(packed).cast("q")
+
+
+def _int64_tensor(x: IdsLike, what: str) -> torch.Tensor:
+    """``x`` as a 1-D int64 CPU tensor, if it has that rank and an integer type."""
     if isinstance(x, torch.Tensor):
         t = x
     elif isinstance(x, (list, tuple)) and len(x) == 0:
@@ -142,31 +161,32 @@ def as_ids(x: IdsLike, what: str = "ids") -> torch.Tensor:
             raise InvalidIdsError(f"{what} must be a 1-D sequence of ints, got {x!r:.80}") from exc
     if t.dim() != 1:
         raise InvalidIdsError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+    if t.dtype not in _INT_DTYPES:
         raise InvalidIdsError(f"{what} must have an integer dtype, got {t.dtype}")
-    if t.dtype != torch.int64 or t.device != _HOST:
+    if t.dtype is not torch.int64 or not t.is_cpu:
         t = t.to(device=_HOST, dtype=torch.int64)
-    if t.numel() and int(t.min()) < 0:
-        bad = int((t < 0).nonzero()[0, 0])
-        raise InvalidIdsError(f"{what} must be non-negative, got {int(t[bad])} at position {bad}")
     return t
 
 
-def as_token_view(x: IdsLike, what: str = "ids") -> Tokens:
-    """``x`` checked by ``as_ids`` and copied once into ``Tokens`` (the tree's own type).
+_SIGN_BYTE = 7 if sys.byteorder == "little" else 0  # where an int64's top byte sits
 
-    The one conversion a request's ids (or slots) go through per call: every later step
-    compares and slices the view, with no tensor op per tree level.
+
+def _check_non_negative(packed: bytes, t: torch.Tensor, what: str) -> None:
+    """Raise unless every int64 packed in ``packed`` (``t``'s bytes) is >= 0.
+
+    A negative int64 has its sign bit set, so its top byte is >= 0x80: the ids are all
+    non-negative exactly when their top bytes, taken together, are ASCII. One pass in C,
+    cheaper than a tensor reduction on request-sized inputs.
     """
-    return memoryview(as_ids(x, what).numpy().tobytes()).cast("q")
+    if not packed[_SIGN_BYTE::8].isascii():
+        bad = int((t < 0).nonzero()[0, 0])
+        raise InvalidIdsError(f"{what} must be non-negative, got {int(t[bad])} at position {bad}")
 
 
 def slots_tensor(runs: Iterable[Tokens]) -> torch.Tensor:
     """Slot runs joined into one new int64 tensor: where the tree's views become a tensor."""
     joined = bytearray().join(runs)
-    if not joined:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(joined, dtype=torch.int64)
+    return torch.frombuffer(joined, dtype=torch.int64) if joined else _NO_SLOTS
 
 
 class RadixCache:
@@ -241,10 +261,10 @@ class RadixCache:
         node, cached_len, runs = self._descend(ids[:n])
         self._tick += 1
         if cached_len < n:
-            # A buffer of its own, so the leaf does not keep the cached part's ids alive.
-            leaf = RadixNode(
-                self.key_fn, _copy(ids[cached_len:n]), _copy(slots[cached_len:n]), self._tick
-            )
+            key, value = ids[cached_len:n], slots[cached_len:n]  # views of this call's copies
+            if cached_len:  # buffers of its own, so the leaf does not keep the prefix alive
+                key, value = _copy(key), _copy(value)
+            leaf = RadixNode(self.key_fn, key, value, self._tick)
             leaf.priority = priority
             leaf.parent = node
             node.children[self.key_fn(leaf.key)] = leaf

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minirt.checks import ch02
-from minirt.radix import RadixNode, token_key
+from minirt.radix import RadixNode, as_tokens, token_key
 
 # --------------------------------------------------------------------------- references
 # (the same code as solutions/02_radix_tree.ipynb)
@@ -30,7 +30,7 @@ def split_at(node: RadixNode, pos: int) -> RadixNode:
     parent = node.parent
     parent.children[node.key_fn(node.key)] = upper
     upper.parent = parent
-    node.key, node.value = node.key[pos:], node.value[pos:]
+    node.key, node.value, node.length = node.key[pos:], node.value[pos:], node.length - pos
     upper.children[node.key_fn(node.key)] = node
     node.parent = upper
     return upper
@@ -144,7 +144,13 @@ def split_returns_lower(node, pos):  # roles swapped: the old object keeps the p
 
 def split_copies(node, pos):
     upper = split_at(node, pos)
-    upper.key, upper.value = upper.key.clone(), upper.value.clone()
+    upper.key, upper.value = as_tokens(upper.key.tolist()), as_tokens(upper.value.tolist())
+    return upper
+
+
+def split_forgets_length(node, pos):  # slices the key but leaves ``length`` as it was
+    upper = split_at(node, pos)
+    node.length += pos
     return upper
 
 
@@ -172,7 +178,8 @@ def split_no_validation(node, pos):
 
 
 @pytest.mark.parametrize("wrong", [split_returns_lower, split_copies, split_forgets_parent,
-                                   split_drops_ref_count, split_no_validation])
+                                   split_drops_ref_count, split_no_validation,
+                                   split_forgets_length])
 def test_split_at_mutants_rejected(wrong):
     with pytest.raises(AssertionError, match="split_at"):
         ch02.check_split_at(wrong)

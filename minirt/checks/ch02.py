@@ -101,8 +101,7 @@ def check_split_at(split_at: Callable[[RadixNode, int], RadixNode]) -> None:
     """Exercise 2.2: ``split_at(node, pos)`` -> the new parent holding ``key[:pos]``."""
     for page_size, pos in ((1, 2), (1, 5), (2, 2), (2, 4)):
         root, node, child = _split_fixture(page_size)
-        key_ptr = node.key.untyped_storage().data_ptr()
-        value_ptr = node.value.untyped_storage().data_ptr()
+        key_buf, value_buf = node.key.obj, node.value.obj  # the buffers both halves must view
         what = f"split_at(node [1, 2, 3, 4, 5, 6], {pos}) with page_size {page_size}"
         upper = call_reader(what, split_at, node, pos)
         expect(isinstance(upper, RadixNode) and upper is not node,
@@ -129,13 +128,15 @@ def check_split_at(split_at: Callable[[RadixNode, int], RadixNode]) -> None:
         expect(node.children == {fn(child.key): child} and child.parent is node,
                f"{what}: the old node's own children must stay with it (they continue its "
                "lower half).")
-        views = (upper.key.untyped_storage().data_ptr() == key_ptr
-                 and node.key.untyped_storage().data_ptr() == key_ptr
-                 and upper.value.untyped_storage().data_ptr() == value_ptr
-                 and node.value.untyped_storage().data_ptr() == value_ptr)
+        views = all(isinstance(x, memoryview) and x.obj is buf for x, buf in (
+            (upper.key, key_buf), (node.key, key_buf),
+            (upper.value, value_buf), (node.value, value_buf)))
         expect(views, f"{what}: the halves must be views (slices) of the old key and value "
-                      "tensors, sharing their storage; something was copied (clone, tolist, "
-                      "torch.tensor(...)). A split moves metadata only.")
+                      "memoryviews, sharing their buffers; something was copied (tolist, "
+                      "bytes(...), a new tensor). A split moves metadata only.")
+        expect(upper.length == pos and node.length == 6 - pos,
+               f"{what}: lengths are upper {upper.length}, node {node.length}; expected "
+               f"{pos} and {6 - pos}. ``length`` is a plain int: keep it in step with the key.")
         expect(upper.ref_count == 2,
                f"{what}: new parent has ref_count {upper.ref_count}, expected 2 (copied from "
                "the old node: every request using the old node also uses its upper half).")
@@ -166,7 +167,7 @@ def check_split_at(split_at: Callable[[RadixNode, int], RadixNode]) -> None:
     else:
         raise AssertionError("split_at(node, 3) with page_size 2 did not raise: cuts must "
                              "fall on page boundaries (pos % node.page_size == 0).")
-    passed("2.2", "the new parent holds the prefix, both halves are views of the old tensors, "
+    passed("2.2", "the new parent holds the prefix, both halves are views of the old buffers, "
                   "ref_count inherited, bad positions refused")
 
 
@@ -250,9 +251,9 @@ def check_abc_tree(build_tree: Callable[[list[list[int]]], RadixNode]) -> None:
                "get fresh slots 5, 6; C reuses 0, 1 and gets 7.")
     top = root.children[101]
     leaf_a = top.children[12].children[21]
-    expect(top.value.untyped_storage().data_ptr() == leaf_a.value.untyped_storage().data_ptr(),
+    expect(top.value.obj is leaf_a.value.obj,
            "build_tree([A, B, C]): [101, 11] and [21, 22] should be views of A's original slot "
-           "tensor (split_at copies nothing); they no longer share storage.")
+           "buffer (split_at copies nothing); they no longer share it.")
     for reqs, shape, label in (
         ([[1, 2, 3], [1, 2]], {(1, 2): {(3,): {}}}, "a request that ends inside a node splits it"),
         ([[1, 2, 3], [1, 2, 3]], {(1, 2, 3): {}}, "a repeated request adds nothing"),
