@@ -18,7 +18,8 @@ Every request's matched length, its slot indices and the already-cached length o
 its insert must agree between the two caches; the script exits with status 1 if
 they ever differ. Timing: one thread, CPU time of this process
 (``time.process_time``), garbage collector off while timing (as ``timeit`` does), the
-contenders interleaved (the order flips each repeat), median of ``--repeats`` runs. Ratios are minirt / SGLang: below 1, minirt is faster.
+contenders interleaved (the order flips each repeat), median of ``--repeats`` runs.
+Ratios are minirt / SGLang: below 1, minirt is faster.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def sglang_wheel(fetch: bool = True) -> Path | None:
     if found or not fetch:
         return found[0] if found else None
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SGLANG, "-d", str(folder)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SGLANG,
+           "-d", str(folder)]
     try:
         subprocess.run(cmd, check=True, timeout=600)
     except (subprocess.SubprocessError, OSError) as exc:
@@ -74,13 +76,19 @@ def sglang_wheel(fetch: bool = True) -> Path | None:
 
 
 class _Disabled:
-    """Stand-in for SGLang's KVCacheEventRecorder with events off: every call is a no-op."""
+    """Stand-in for SGLang's KVCacheEventRecorder with events off: every record is a no-op."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.enabled = False
 
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
+    def record_store(self, *args, **kwargs) -> None:
+        return None
+
+    def record_remove(self, *args, **kwargs) -> None:
+        return None
+
+    def record_all_cleared(self) -> None:
+        return None
 
 
 class _FreeList:
@@ -354,8 +362,9 @@ def book_traces(scale: int) -> list[Trace]:
     from minirt import workloads
 
     tok = workloads.default_tokenizer()
+    chat = workloads.multi_turn_chat(tok, num_conversations=8 * scale, turns=6)
     return [
-        Trace("chat", workloads.multi_turn_chat(tok, num_conversations=8 * scale, turns=6).requests),
+        Trace("chat", chat.requests),
         Trace("few-shot", workloads.few_shot(tok, num_requests=64 * scale).requests),
         Trace("RAG", workloads.rag(tok, num_documents=6, num_requests=64 * scale).requests),
     ]

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,7 +52,8 @@ _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 IdsLike = torch.Tensor | Sequence[int]
 
 
-class CacheHandle(NamedTuple):
+@dataclass(frozen=True)
+class CacheHandle:
     """Where a match (or insert) ended: ``node`` and the prefix length ``cached_len`` it spells.
 
     Pass it to ``lock`` / ``unlock``. It goes stale when its node is evicted or the cache
@@ -64,7 +64,8 @@ class CacheHandle(NamedTuple):
     cached_len: int
 
 
-class MatchResult(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class MatchResult:
     """``match_prefix``'s answer: a handle, the cached prefix's length and its slot runs.
 
     ``indices``, the prefix's slots as one int64 tensor, is built from ``runs`` (the
@@ -74,14 +75,15 @@ class MatchResult(NamedTuple):
 
     handle: CacheHandle
     cached_len: int
-    runs: tuple[Tokens, ...]
+    runs: tuple[Tokens, ...] = field(repr=False)
 
     @property
     def indices(self) -> torch.Tensor:
         return slots_tensor(self.runs)
 
 
-class InsertResult(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class InsertResult:
     """``insert_prefix``'s answer.
 
     ``cached_len``: leading tokens that were already cached (the caller's own slots for
@@ -92,7 +94,7 @@ class InsertResult(NamedTuple):
 
     cached_len: int
     handle: CacheHandle
-    runs: tuple[Tokens, ...]
+    runs: tuple[Tokens, ...] = field(repr=False)
 
     @property
     def indices(self) -> torch.Tensor:
