@@ -14,9 +14,9 @@ Every token the tree holds is either *evictable* (no request uses it) or *protec
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,7 +29,7 @@ from .errors import (
     StaleHandleError,
 )
 from .eviction import EvictionPolicy, LeafHeap, is_evictable_leaf, make_policy
-from .radix import RadixNode, page_key
+from .radix import RadixNode, Tokens, page_key
 
 __all__ = [
     "CacheHandle",
@@ -39,11 +39,15 @@ __all__ = [
     "RadixCache",
     "SizeInfo",
     "as_ids",
+    "as_token_view",
     "insert_fresh",
+    "slots_tensor",
 ]
 
 _HOST = torch.device("cpu")  # the tree's own bookkeeping lives in host memory
-_EMPTY = torch.empty(0, dtype=torch.int64)
+_INT_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64} | {
+    getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)}
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 IdsLike = torch.Tensor | Sequence[int]
 
@@ -62,11 +66,20 @@ class CacheHandle:
 
 @dataclass(frozen=True, eq=False)
 class MatchResult:
-    """``match_prefix``'s answer: a handle, the cached prefix's slot indices, its length."""
+    """``match_prefix``'s answer: a handle, the cached prefix's length and its slot runs.
+
+    ``indices``, the prefix's slots as one int64 tensor, is built from ``runs`` (the
+    matched nodes' values, root side first) when read: the tree itself works on
+    ``Tokens`` views, and a tensor is made only where a caller asks for one.
+    """
 
     handle: CacheHandle
-    indices: torch.Tensor
     cached_len: int
+    runs: tuple[Tokens, ...] = field(repr=False)
+
+    @property
+    def indices(self) -> torch.Tensor:
+        return slots_tensor(self.runs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,12 +89,16 @@ class InsertResult:
     ``cached_len``: leading tokens that were already cached (the caller's own slots for
     them are duplicates to free); ``handle``: the node ending at the inserted length;
     ``indices``: the tree's slots for the whole inserted prefix (re-point the request's
-    page table at them before freeing anything).
+    page table at them before freeing anything), built from ``runs`` when read.
     """
 
     cached_len: int
     handle: CacheHandle
-    indices: torch.Tensor
+    runs: tuple[Tokens, ...] = field(repr=False)
+
+    @property
+    def indices(self) -> torch.Tensor:
+        return slots_tensor(self.runs)
 
 
 @dataclass(frozen=True)
@@ -116,10 +133,29 @@ def as_ids(x: IdsLike, what: str = "ids") -> torch.Tensor:
     Raises InvalidIdsError naming ``what`` for anything else: wrong rank, a float or bool
     dtype, negative entries, or values that are not integers at all.
     """
+    t = _int64_tensor(x, what)
+    _check_non_negative(t.numpy().tobytes(), t, what)
+    return t
+
+
+def as_token_view(x: IdsLike, what: str = "ids") -> Tokens:
+    """``x`` checked as by ``as_ids`` and copied once into ``Tokens``: the one conversion
+    a request's ids (or slots) go through per call.
+
+    Every later step compares and slices this view, with no tensor op per tree level.
+    """
+    t = _int64_tensor(x, what)
+    packed = t.numpy().tobytes()
+    _check_non_negative(packed, t, what)
+    return memoryview(packed).cast("q")
+
+
+def _int64_tensor(x: IdsLike, what: str) -> torch.Tensor:
+    """``x`` as a 1-D int64 CPU tensor, if it has that rank and an integer type."""
     if isinstance(x, torch.Tensor):
         t = x
     elif isinstance(x, (list, tuple)) and len(x) == 0:
-        return _EMPTY
+        return torch.empty(0, dtype=torch.int64)
     else:
         try:
             t = torch.as_tensor(x)
@@ -127,17 +163,32 @@ def as_ids(x: IdsLike, what: str = "ids") -> torch.Tensor:
             raise InvalidIdsError(f"{what} must be a 1-D sequence of ints, got {x!r:.80}") from exc
     if t.dim() != 1:
         raise InvalidIdsError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+    if t.dtype not in _INT_DTYPES:
         raise InvalidIdsError(f"{what} must have an integer dtype, got {t.dtype}")
-    t = t.to(device=_HOST, dtype=torch.int64)
-    if t.numel() and int(t.min()) < 0:
-        bad = int((t < 0).nonzero()[0, 0])
-        raise InvalidIdsError(f"{what} must be non-negative, got {int(t[bad])} at position {bad}")
+    if t.dtype is not torch.int64 or not t.is_cpu:
+        t = t.to(device=_HOST, dtype=torch.int64)
     return t
 
 
-def _concat(values: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(values) if values else _EMPTY
+_SIGN_BYTE = 7 if sys.byteorder == "little" else 0  # where an int64's top byte sits
+
+
+def _check_non_negative(packed: bytes, t: torch.Tensor, what: str) -> None:
+    """Raise unless every int64 packed in ``packed`` (``t``'s bytes) is >= 0.
+
+    A negative int64 has its sign bit set, so its top byte is >= 0x80: the ids are all
+    non-negative exactly when their top bytes, taken together, are ASCII. One pass in C,
+    cheaper than a tensor reduction on request-sized inputs.
+    """
+    if not packed[_SIGN_BYTE::8].isascii():
+        bad = int((t < 0).nonzero()[0, 0])
+        raise InvalidIdsError(f"{what} must be non-negative, got {int(t[bad])} at position {bad}")
+
+
+def slots_tensor(runs: Iterable[Tokens]) -> torch.Tensor:
+    """Slot runs joined into one new int64 tensor: where the tree's views become a tensor."""
+    joined = bytearray().join(runs)
+    return torch.frombuffer(joined, dtype=torch.int64) if joined else _NO_SLOTS
 
 
 class RadixCache:
@@ -161,7 +212,7 @@ class RadixCache:
         """Empty the cache (tree, sizes, statistics); every existing handle becomes stale."""
         self.root = RadixNode(self.key_fn)
         self._heap = LeafHeap(self.policy)
-        self._locks: Counter[CacheHandle] = Counter()
+        self._locks: dict[RadixNode, int] = {}  # handle's node -> locks taken through it
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 0
@@ -175,22 +226,22 @@ class RadixCache:
     # ------------------------------------------------------------------ match and insert
 
     def match_prefix(self, ids: IdsLike, *, priority: int = 0) -> MatchResult:
-        """The longest cached prefix of ``ids``, in whole pages: handle, slot indices, length.
+        """The longest cached prefix of ``ids``, in whole pages: handle, length, slot indices.
 
         If the match ends inside a node, that node is split there so that the handle's
         node ends exactly at the match (metadata only: no K/V moves). Marks the matched
         nodes as used now (last access, hit count, priority) and updates the statistics.
         Does not lock: call ``lock(result.handle)`` to keep the prefix from eviction.
         """
-        ids = as_ids(ids)
+        ids = as_token_view(ids)
         priority = _check_priority(priority)
-        node, cached_len, values = self._descend(ids, ids.tolist())
+        node, cached_len, runs = self._descend(ids)
         self._tick += 1
         self._touch(node, priority, hit=True)
         self._queries += 1
-        self._query_tokens += ids.numel()
+        self._query_tokens += len(ids)
         self._hit_tokens += cached_len
-        return MatchResult(CacheHandle(node, cached_len), _concat(values), cached_len)
+        return MatchResult(CacheHandle(node, cached_len), cached_len, tuple(runs))
 
     def insert_prefix(
         self, ids: IdsLike, indices: IdsLike, *, priority: int = 0
@@ -198,66 +249,57 @@ class RadixCache:
         """Cache ``ids[:n]`` with K/V in slots ``indices[:n]``, n = len(ids) rounded down to pages.
 
         Tokens already cached keep the tree's slots; the result says how many there were
-        (``cached_len``) and returns the tree's slots for the whole prefix. The tail past
+        (``cached_len``) and gives the tree's slots for the whole prefix. The tail past
         the last whole page is not cached: its slots stay the caller's to free.
         """
-        ids = as_ids(ids)
-        indices = as_ids(indices, "indices")
-        if ids.numel() != indices.numel():
+        ids = as_token_view(ids)
+        slots = as_token_view(indices, "indices")
+        if len(ids) != len(slots):
             raise InvalidIdsError(
-                f"ids and indices must have the same length, got {ids.numel()} and "
-                f"{indices.numel()}"
+                f"ids and indices must have the same length, got {len(ids)} and {len(slots)}"
             )
         priority = _check_priority(priority)
-        n = ids.numel() - ids.numel() % self.page_size
-        ids, indices = ids[:n], indices[:n]
-        tokens = ids.tolist()
-        node, cached_len, values = self._descend(ids, tokens)
+        n = len(ids) - len(ids) % self.page_size
+        node, cached_len, runs = self._descend(ids[:n])
         self._tick += 1
         if cached_len < n:
-            leaf = RadixNode(
-                self.key_fn, ids[cached_len:].clone(), indices[cached_len:].clone(), self._tick
-            )
+            key, value = ids[cached_len:n], slots[cached_len:n]  # views of this call's copies
+            if cached_len:  # buffers of its own, so the leaf does not keep the prefix alive
+                key, value = _copy(key), _copy(value)
+            leaf = RadixNode(self.key_fn, key, value, self._tick)
             leaf.priority = priority
             leaf.parent = node
-            node.children[self._child_key(tokens, cached_len)] = leaf
+            node.children[self.key_fn(leaf.key)] = leaf
             self._evictable += leaf.length
             self._num_nodes += 1
-            values.append(leaf.value)
+            runs.append(leaf.value)
             node = leaf
         self._touch(node, priority, hit=False)
         if cached_len < n:
             self._heap.push(node)  # a new evictable leaf
-        return InsertResult(cached_len, CacheHandle(node, n), _concat(values))
+        return InsertResult(cached_len, CacheHandle(node, n), tuple(runs))
 
-    def _child_key(self, tokens: list[int], pos: int) -> Hashable:
-        """``key_fn(ids[pos:])`` computed on a Python list (no tensor op per tree level)."""
-        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
-
-    def _descend(
-        self, ids: torch.Tensor, tokens: list[int]
-    ) -> tuple[RadixNode, int, list[torch.Tensor]]:
+    def _descend(self, ids: Tokens) -> tuple[RadixNode, int, list[Tokens]]:
         """Follow ``ids`` down from the root page by page; split where the match stops mid-node.
 
-        ``tokens`` is ``ids.tolist()``. Returns the node the match ends at, the matched
-        length and the matched slot runs.
+        Returns the node the match ends at, the matched length and the matched slot runs.
         """
-        node, pos, values = self.root, 0, []
-        n, page = ids.numel(), self.page_size
+        node, pos, runs = self.root, 0, []
+        n, page = len(ids), self.page_size
         while n - pos >= page:
-            child = node.children.get(self._child_key(tokens, pos))
+            child = node.children.get(self.key_fn(ids, pos))
             if child is None:
                 break
-            m = child.get_match_len(ids[pos:])  # >= one page: the first page is the key
+            m = child.get_match_len(ids, pos)  # >= one page: the first page is the key
             stopped_inside = m < child.length
             if stopped_inside:
                 child = child.split_at(m)
                 self._num_nodes += 1
-            values.append(child.value)
+            runs.append(child.value)
             node, pos = child, pos + m
             if stopped_inside:
                 break
-        return node, pos, values
+        return node, pos, runs
 
     def _touch(self, node: RadixNode, priority: int, hit: bool) -> None:
         """Stamp ``node`` and its ancestors as used at the current tick.
@@ -265,27 +307,25 @@ class RadixCache:
         Only ``node`` can be a leaf. If its policy key grew (LRU, LFU, priority) the heap
         re-files it lazily; if it dropped (a custom policy), it is pushed again now.
         """
-        last, before, tick = node, self.policy.key(node), self._tick
+        leaf = node if is_evictable_leaf(node) else None
+        before = self.policy.key(leaf) if leaf is not None else None
+        tick = self._tick
         while node.parent is not None:
             node.last_access = tick
-            node.priority = max(node.priority, priority)
+            if priority > node.priority:
+                node.priority = priority
             if hit:
                 node.hit_count += 1
             node = node.parent
-        if is_evictable_leaf(last) and self.policy.key(last) < before:
-            self._heap.push(last)
+        if leaf is not None and self.policy.key(leaf) < before:
+            self._heap.push(leaf)
 
     # ------------------------------------------------------------------ lock and unlock
 
     def lock(self, handle: CacheHandle) -> None:
         """Protect the handle's prefix from eviction: +1 ref_count from its node to the root."""
-        path = self._path(handle)
-        for node in path:
-            if node.ref_count == 0:
-                self._evictable -= node.length
-                self._protected += node.length
-            node.ref_count += 1
-        self._locks[handle] += 1
+        self._add_ref(handle, +1)
+        self._locks[handle.node] = self._locks.get(handle.node, 0) + 1
 
     def unlock(self, handle: CacheHandle) -> None:
         """Undo one ``lock(handle)``: -1 ref_count from its node to the root.
@@ -293,41 +333,59 @@ class RadixCache:
         HandleError if the handle holds no lock; StaleHandleError if its node was evicted
         or the cache reset. Either way nothing changes.
         """
-        path = self._path(handle)
-        if self._locks.get(handle, 0) == 0:
+        held = self._locks.get(handle.node, 0) if isinstance(handle, CacheHandle) else 0
+        if held == 0:
+            self._add_ref(handle, 0)  # raises if the handle is stale or malformed
             raise HandleError(f"unlock without a matching lock: {handle}")
-        for node in path:
-            node.ref_count -= 1
-            if node.ref_count == 0:
-                self._evictable += node.length
-                self._protected -= node.length
-        self._locks[handle] -= 1
-        if self._locks[handle] == 0:
-            del self._locks[handle]
+        self._add_ref(handle, -1)
+        if held == 1:
+            del self._locks[handle.node]
+        else:
+            self._locks[handle.node] = held - 1
         if is_evictable_leaf(handle.node):
             self._heap.push(handle.node)
 
-    def _path(self, handle: CacheHandle) -> list[RadixNode]:
-        """The nodes from ``handle.node`` up to and including the root; checks the handle."""
+    def _add_ref(self, handle: CacheHandle, delta: int) -> None:
+        """Add ``delta`` to every ref_count from ``handle.node`` up to the root.
+
+        One walk does the work and checks the handle on the way: it must reach this
+        cache's root at depth ``cached_len``. A bad handle's walk is undone before the
+        error is raised, so it changes nothing.
+        """
         if not isinstance(handle, CacheHandle):
             raise HandleError(f"expected a CacheHandle, got {type(handle).__name__}")
-        path, depth, node = [], 0, handle.node
-        while node.parent is not None:
-            path.append(node)
-            depth += node.length
-            node = node.parent
-        if node is not self.root:
+        top, depth = self._shift_refs(handle.node, delta)
+        if top is self.root and depth == handle.cached_len:
+            return
+        self._shift_refs(handle.node, -delta)
+        if top is not self.root:
             raise StaleHandleError(
                 f"stale handle: its node was evicted or the cache was reset since it was made "
                 f"({handle})"
             )
-        path.append(node)
-        if depth != handle.cached_len:
-            raise HandleError(
-                f"handle claims a prefix of {handle.cached_len} tokens but its node ends at "
-                f"{depth}"
-            )
-        return path
+        raise HandleError(
+            f"handle claims a prefix of {handle.cached_len} tokens but its node ends at "
+            f"{depth}"
+        )
+
+    def _shift_refs(self, node: RadixNode, delta: int) -> tuple[RadixNode, int]:
+        """``ref_count += delta`` from ``node`` to the top of its tree; a node whose count
+        leaves or reaches 0 moves its tokens between protected and evictable.
+        Returns the top node and the depth of ``node`` in tokens."""
+        depth = 0
+        while True:
+            before = node.ref_count
+            node.ref_count = before + delta
+            if before == 0 and delta > 0:
+                self._evictable -= node.length
+                self._protected += node.length
+            elif before + delta == 0 and delta < 0:
+                self._evictable += node.length
+                self._protected -= node.length
+            if node.parent is None:
+                return node, depth
+            depth += node.length
+            node = node.parent
 
     # ------------------------------------------------------------------ eviction
 
@@ -340,7 +398,7 @@ class RadixCache:
         evicts nothing.
         """
         self._check_evict_request(num_tokens)
-        freed: list[torch.Tensor] = []
+        freed: list[Tokens] = []
         count = 0
         while count < num_tokens:
             victim = self._heap.pop()
@@ -348,7 +406,7 @@ class RadixCache:
             freed.append(victim.value)
             count += victim.length
             self._remove_leaf(victim)
-        return _concat(freed)
+        return slots_tensor(freed)
 
     def _check_evict_request(self, num_tokens: int) -> None:
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
@@ -416,7 +474,7 @@ class RadixCache:
 
     def all_values(self) -> torch.Tensor:
         """Every slot index the tree owns (each exactly once)."""
-        return _concat([node.value for node in self.nodes()])
+        return slots_tensor(node.value for node in self.nodes())
 
     def check_integrity(self) -> None:
         """Walk the whole tree; raise AssertionError naming the first broken invariant."""
@@ -428,7 +486,7 @@ class RadixCache:
 
         require(root.parent is None and root.length == 0, "root is empty and parentless", root)
         evictable = protected = count = 0
-        slots: list[torch.Tensor] = []
+        slots: list[int] = []
         stack = [root]
         while stack:
             node = stack.pop()
@@ -443,16 +501,18 @@ class RadixCache:
             if node is root:
                 continue
             count += 1
-            require(node.key.dim() == 1 and node.key.dtype == torch.int64, "key is 1-D int64", node)
-            require(node.value.dtype == torch.int64, "value is int64", node)
-            require(node.key.shape == node.value.shape, "len(key) == len(value)", node)
+            for run in (node.key, node.value):
+                require(isinstance(run, memoryview) and run.format == "q" and run.ndim == 1,
+                        "key and value are 1-D int64 Tokens views", node)
+            require(len(node.key) == len(node.value) == node.length,
+                    "len(key) == len(value) == length", node)
             require(node.length % page == 0, "node lengths are whole pages", node)
             require(node.ref_count >= 0, "ref_count >= 0", node)
             if node.ref_count:
                 protected += node.length
             else:
                 evictable += node.length
-            slots.append(node.value)
+            slots.extend(node.value.tolist())
         require(count == self._num_nodes, f"num_nodes {self._num_nodes} == {count} nodes", root)
         require(
             (evictable, protected) == (self._evictable, self._protected),
@@ -463,8 +523,7 @@ class RadixCache:
         require(
             root.ref_count == sum(self._locks.values()), "root.ref_count counts held locks", root
         )
-        values = _concat(slots)
-        require(values.unique().numel() == values.numel(), "every slot owned once", root)
+        require(len(set(slots)) == len(slots), "every slot owned once", root)
         live = self._heap.live_nodes()
         missing = [n for n in self.nodes() if is_evictable_leaf(n) and n.id not in live]
         require(
@@ -479,6 +538,11 @@ class RadixCache:
             f"nodes={self._num_nodes}, evictable={self._evictable}, "
             f"protected={self._protected})"
         )
+
+
+def _copy(run: Tokens) -> Tokens:
+    """``run`` in a buffer of its own."""
+    return memoryview(run.tobytes()).cast("q")
 
 
 def _check_priority(priority: int) -> int:

@@ -200,7 +200,7 @@ class LeafHeap:
             del self._filed[node.id]
             if not is_evictable_leaf(node):
                 continue  # evicted, locked, or has children: drop the entry
-            current = self._entry(node)
+            current = pack_key(self.policy.key(node))  # its id checked when it was filed
             if entry == current:
                 return node
             heapq.heappush(heap, current)  # used since it was filed: file it again

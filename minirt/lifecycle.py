@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CacheHandle, MatchResult, RadixCache, as_ids
+from .cache import CacheHandle, MatchResult, RadixCache, as_ids, slots_tensor
 from .errors import OutOfMemoryError, PoolError, RequestError, StaleHandleError
 from .pool import KVPool, PageTable, forward_paged
 from .radix import RadixNode
@@ -471,7 +471,7 @@ def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]
         path = node_path(r.handle.node)
         top = path[0].parent if path else r.handle.node
         require(top is cache.root, f"{r.rid}'s handle is stale (its node left the tree)")
-        tree_slots = torch.cat([n.value for n in path]) if path else _EMPTY
+        tree_slots = slots_tensor(n.value for n in path)
         require(r.cached_len == tree_slots.numel() == r.handle.cached_len,
                 f"{r.rid}: cached_len {r.cached_len} != its handle's prefix {tree_slots.numel()}")
         table = r.page_table.slots

@@ -1,35 +1,65 @@
 """The radix tree node: a run of token ids and the pool slots that hold their K/V.
 
 A path from the root to a node spells a token sequence (the concatenation of the
-``key`` tensors on the way) and, in the same order, the pool slots of its K/V (the
-concatenation of the ``value`` tensors). A node stands for a whole run of tokens that
+``key`` runs on the way) and, in the same order, the pool slots of its K/V (the
+concatenation of the ``value`` runs). A node stands for a whole run of tokens that
 no request has ever split, which is what makes a radix tree smaller than a per-token
-trie. ``split_at`` cuts a run in two when a new request diverges inside it; both
-halves are views of the old tensors, so no token id and no K/V moves.
+trie. ``split_at`` cuts a run in two when a new request diverges inside it.
+
+Keys and values are ``Tokens``: read-only ``memoryview`` objects over packed 64-bit
+ints (format ``"q"``), 8 bytes a token, the layout of an int64 tensor. Two runs are
+compared with ``==`` on slices, one loop in C per comparison instead of one Python
+step per token; slicing a view is O(1) and shares its buffer, so both halves of a
+split are views of the old buffer: no token id, slot number or K/V moves. Tensors
+appear only at the cache's boundary (``RadixCache`` returns slot indices as tensors).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable
+from array import array
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-__all__ = ["KeyFn", "PageKey", "RadixNode", "common_prefix_len", "page_key", "token_key"]
+__all__ = [
+    "KeyFn", "PageKey", "RadixNode", "Tokens", "as_tokens", "common_prefix_len", "page_key",
+    "token_key",
+]
 
-KeyFn = Callable[[torch.Tensor], Hashable]
+Tokens = memoryview  # 1-D, format "q" (int64), read-only: a node's key or value
+KeyFn = Callable[..., Hashable]
 
 _node_ids = itertools.count()
-_EMPTY = torch.empty(0, dtype=torch.int64)
+_EMPTY: Tokens = memoryview(b"").cast("q")
 
 
-def token_key(key: torch.Tensor) -> int:
-    """Child key for page_size 1: the first token id of ``key``."""
-    return int(key[0])
+def as_tokens(x: Tokens | torch.Tensor | Sequence[int]) -> Tokens:
+    """``x`` as ``Tokens``: a memoryview of format "q" is kept as is (a view shares its
+    buffer); a 1-D integer tensor, list, tuple or array is copied once into a new buffer.
+
+    Structural conversion only: ``RadixCache`` validates request ids (``as_ids``) first.
+    """
+    if isinstance(x, memoryview):
+        if x.format != "q" or x.ndim != 1:
+            raise ValueError(f"a token view must be 1-D of format 'q', got {x.format!r}")
+        return x
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.is_floating_point() or x.dtype == torch.bool:
+            raise ValueError(f"expected a 1-D integer tensor, got {x.dtype} {tuple(x.shape)}")
+        return memoryview(x.to("cpu", torch.int64).numpy().tobytes()).cast("q")
+    return memoryview(array("q", x).tobytes()).cast("q")
+
+
+def token_key(tokens: Tokens | Sequence[int], pos: int = 0) -> int:
+    """Child key for page_size 1: the token at ``pos`` (a child's key starts there)."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.tolist()
+    return tokens[pos]
 
 
 class PageKey:
-    """Child key for page_size > 1: the first page of ``key`` as a tuple of token ids.
+    """Child key for page_size > 1: the page starting at ``pos``, as a tuple of token ids.
 
     Two children of one node never share their first page, because a split happens
     only at a page boundary; so the first page picks the child to descend into.
@@ -40,8 +70,10 @@ class PageKey:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
 
-    def __call__(self, key: torch.Tensor) -> tuple[int, ...]:
-        return tuple(key[: self.page_size].tolist())
+    def __call__(self, tokens: Tokens | Sequence[int], pos: int = 0) -> tuple[int, ...]:
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
+        return tuple(tokens[pos : pos + self.page_size])
 
     def __repr__(self) -> str:
         return f"page_key({self.page_size})"
@@ -51,51 +83,75 @@ token_key.page_size = 1  # type: ignore[attr-defined]
 
 
 def page_key(page_size: int) -> KeyFn:
-    """The key function for ``page_size``: ``token_key`` for 1, else a first-page ``PageKey``."""
+    """The key function for ``page_size``: ``token_key`` for 1, else a first-page ``PageKey``.
+
+    The one place that says which dict key a child is filed under: ``key_fn(tokens, pos)``
+    for the child whose key begins at ``tokens[pos]``.
+    """
     return token_key if page_size == 1 else PageKey(page_size)
 
 
-def common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
-    """How many leading entries ``a`` and ``b`` share (1-D tensors, any lengths)."""
-    n = min(a.numel(), b.numel())
-    if n == 0:
+def common_prefix_len(a: Tokens | Sequence[int], b: Tokens | Sequence[int], start: int = 0) -> int:
+    """How many leading entries ``a`` shares with ``b[start:]``.
+
+    Every ``==`` compares two slices in C. One comparison settles the common case, a
+    full match. After a mismatch, gallop (windows of 1, 2, 4, ... tokens) to the window
+    that holds it, then bisect that window: O(log n) comparisons, never a Python loop
+    over tokens.
+    """
+    a, b = as_tokens(a), as_tokens(b)
+    n = min(len(a), len(b) - start)
+    if n <= 0:
         return 0
-    differ = (a[:n] != b[:n]).nonzero()
-    return n if differ.numel() == 0 else int(differ[0, 0])
+    if a[:n] == b[start : start + n]:
+        return n
+    lo, hi, step = 0, 1, 1
+    while a[lo:hi] == b[start + lo : start + hi]:  # a[:hi] matches: gallop on
+        lo, step = hi, 2 * step
+        hi = min(lo + step, n)
+    while hi - lo > 1:  # a[:lo] matches, a[:hi] does not
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[start + lo : start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class RadixNode:
     """One edge of the radix tree: ``key`` (token ids) and ``value`` (pool slots), same length.
 
-    ``children`` maps ``key_fn(child.key)`` (the child's first token, or first page) to the
-    child. ``ref_count`` counts the requests that use this node (a node with ref_count > 0
-    must not be evicted); ``last_access``, ``hit_count``, ``created`` and ``priority`` feed
-    the eviction policies; ``last_access`` and ``created`` are logical clock ticks.
+    ``length`` is that length, a plain int. ``children`` maps ``key_fn(child.key)`` (the
+    child's first token, or first page) to the child. ``ref_count`` counts the requests
+    that use this node (a node with ref_count > 0 must not be evicted); ``last_access``,
+    ``hit_count``, ``created`` and ``priority`` feed the eviction policies;
+    ``last_access`` and ``created`` are logical clock ticks. ``key`` and ``value`` may be
+    given as tensors or lists (copied once) or as ``Tokens`` views (kept as they are).
     """
 
     __slots__ = (
-        "key_fn", "page_size", "key", "value", "children", "parent", "ref_count",
+        "key_fn", "page_size", "key", "value", "length", "children", "parent", "ref_count",
         "last_access", "hit_count", "created", "priority", "id", "__weakref__",
     )
 
     def __init__(
         self,
         key_fn: KeyFn,
-        key: torch.Tensor | None = None,
-        value: torch.Tensor | None = None,
+        key: Tokens | torch.Tensor | Sequence[int] | None = None,
+        value: Tokens | torch.Tensor | Sequence[int] | None = None,
         tick: int = 0,
     ) -> None:
-        key = _EMPTY if key is None else key
-        value = _EMPTY if value is None else value
-        if key.shape != value.shape or key.dim() != 1:
+        key = _EMPTY if key is None else as_tokens(key)
+        value = _EMPTY if value is None else as_tokens(value)
+        if len(key) != len(value):
             raise ValueError(
-                f"key and value must be 1-D and of equal length, got shapes "
-                f"{tuple(key.shape)} and {tuple(value.shape)}"
+                f"key and value must have equal lengths, got {len(key)} and {len(value)}"
             )
         self.key_fn = key_fn
         self.page_size: int = getattr(key_fn, "page_size", 1)
-        self.key: torch.Tensor = key
-        self.value: torch.Tensor = value
+        self.key: Tokens = key
+        self.value: Tokens = value
+        self.length = len(key)
         self.children: dict[Hashable, RadixNode] = {}
         self.parent: RadixNode | None = None
         self.ref_count = 0
@@ -105,22 +161,17 @@ class RadixNode:
         self.priority = 0
         self.id = next(_node_ids)
 
-    @property
-    def length(self) -> int:
-        """Number of tokens on this edge."""
-        return self.key.numel()
-
     def is_root(self) -> bool:
         """The root holds no tokens and has no parent."""
-        return self.parent is None and self.key.numel() == 0
+        return self.parent is None and self.length == 0
 
     def is_leaf(self) -> bool:
         """A node without children (the only kind eviction may remove)."""
         return not self.children
 
-    def get_match_len(self, ids: torch.Tensor) -> int:
-        """Longest common prefix of ``key`` and ``ids``, rounded down to whole pages."""
-        n = common_prefix_len(self.key, ids)
+    def get_match_len(self, ids: Tokens | torch.Tensor | Sequence[int], start: int = 0) -> int:
+        """Longest common prefix of ``key`` and ``ids[start:]``, rounded down to whole pages."""
+        n = common_prefix_len(self.key, ids, start)
         return n - n % self.page_size
 
     def split_at(self, pos: int) -> RadixNode:
@@ -128,9 +179,10 @@ class RadixNode:
 
         ``self`` keeps ``key[pos:]`` (so handles to it stay valid) and hangs under the new
         parent, which takes its place among the old parent's children. Both halves are
-        views of the old tensors: only metadata changes, no K/V is copied. The new parent
-        inherits ``ref_count`` (every lock through ``self`` also runs through it) and the
-        access statistics.
+        views of the old buffers (``upper.key.obj is self.key.obj``): only metadata
+        changes, no token id, slot or K/V is copied. The new parent inherits
+        ``ref_count`` (every lock through ``self`` also runs through it) and the access
+        statistics.
         """
         if not 0 < pos < self.length or pos % self.page_size:
             raise ValueError(
@@ -146,8 +198,7 @@ class RadixNode:
         if parent is not None:
             parent.children[self.key_fn(self.key)] = upper
         upper.parent = parent
-        self.key = self.key[pos:]
-        self.value = self.value[pos:]
+        self.key, self.value, self.length = self.key[pos:], self.value[pos:], self.length - pos
         upper.children[self.key_fn(self.key)] = self
         self.parent = upper
         return upper

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .cache import CacheStats, RadixCache
+from .cache import CacheStats, RadixCache, slots_tensor
 from .errors import OutOfMemoryError, PoolError, RequestError
 from .eviction import EvictionPolicy, is_evictable_leaf
 
@@ -31,7 +31,7 @@ def evict_by_scan(cache: RadixCache, num_tokens: int) -> torch.Tensor:
     costs a full walk, O(n) per evicted leaf. Only for measurement and teaching.
     """
     cache._check_evict_request(num_tokens)
-    freed: list[torch.Tensor] = []
+    freed = []
     count = 0
     key = cache.policy.key
     while count < num_tokens:
@@ -43,7 +43,7 @@ def evict_by_scan(cache: RadixCache, num_tokens: int) -> torch.Tensor:
         freed.append(victim.value)
         count += victim.length
         cache._remove_leaf(victim)
-    return torch.cat(freed) if freed else torch.empty(0, dtype=torch.int64)
+    return slots_tensor(freed)
 
 
 

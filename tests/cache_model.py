@@ -74,9 +74,9 @@ def assert_invariants(cache: RadixCache) -> None:
         assert node.ref_count >= 0, "negative ref_count"
         if node is cache.root:
             continue
-        assert node.key.dtype == torch.int64 and node.value.dtype == torch.int64
-        assert node.key.device.type == "cpu" and node.value.device.type == "cpu"
-        assert node.key.numel() == node.value.numel(), "key/value lengths differ"
+        for run in (node.key, node.value):  # int64 views in host memory
+            assert isinstance(run, memoryview) and run.format == "q" and run.ndim == 1
+        assert len(node.key) == len(node.value) == node.length, "key/value lengths differ"
         assert node.length > 0, "empty non-root node"
         assert node.length % page == 0, "node not page aligned"
         if node.ref_count:

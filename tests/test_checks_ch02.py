@@ -7,7 +7,7 @@ import torch
 from exercise_util import accepts, rejects
 
 from minirt.checks import ch02
-from minirt.radix import RadixNode
+from minirt.radix import RadixNode, as_tokens
 
 # --------------------------------------------------------------------------- references
 # (the same code as solutions/02_radix_tree.ipynb)
@@ -20,8 +20,9 @@ def merge(node):
     if child.ref_count != node.ref_count:
         raise ValueError("different ref counts")
     parent = node.parent
-    child.key = torch.cat([node.key, child.key])
-    child.value = torch.cat([node.value, child.value])
+    child.key = as_tokens([*node.key, *child.key])
+    child.value = as_tokens([*node.value, *child.value])
+    child.length = len(child.key)
     child.last_access = max(child.last_access, node.last_access)
     parent.children[node.key_fn(child.key)] = child
     child.parent = parent
@@ -112,8 +113,9 @@ def test_a_pass_after_failures_resets_the_hint(capsys):
 
 def merge_upper_survives(node):  # the upper object survives: handles to the child go stale
     (child,) = node.children.values()
-    node.key = torch.cat([node.key, child.key])
-    node.value = torch.cat([node.value, child.value])
+    node.key = as_tokens([*node.key, *child.key])
+    node.value = as_tokens([*node.value, *child.value])
+    node.length = len(node.key)
     node.children = dict(child.children)
     for g in node.children.values():
         g.parent = node
@@ -123,8 +125,9 @@ def merge_upper_survives(node):  # the upper object survives: handles to the chi
 
 def merge_forgets_grandchildren(node):
     (child,) = node.children.values()
-    child.key = torch.cat([node.key, child.key])
-    child.value = torch.cat([node.value, child.value])
+    child.key = as_tokens([*node.key, *child.key])
+    child.value = as_tokens([*node.value, *child.value])
+    child.length = len(child.key)
     node.parent.children[node.key_fn(child.key)] = child
     child.parent, child.children = node.parent, {}
     node.parent, node.children = None, {}
@@ -135,8 +138,9 @@ def merge_never_refuses(node):
     if node.parent is None:
         return node
     (child, *_) = node.children.values()
-    child.key = torch.cat([node.key, child.key])
-    child.value = torch.cat([node.value, child.value])
+    child.key = as_tokens([*node.key, *child.key])
+    child.value = as_tokens([*node.value, *child.value])
+    child.length = len(child.key)
     node.parent.children[node.key_fn(child.key)] = child
     child.parent = node.parent
     node.parent, node.children = None, {}
@@ -147,8 +151,9 @@ def merge_keeps_node_attached(node):
     (child,) = node.children.values()
     if child.ref_count != node.ref_count:
         raise ValueError
-    child.key = torch.cat([node.key, child.key])
-    child.value = torch.cat([node.value, child.value])
+    child.key = as_tokens([*node.key, *child.key])
+    child.value = as_tokens([*node.value, *child.value])
+    child.length = len(child.key)
     node.parent.children[node.key_fn(child.key)] = child
     child.parent = node.parent
     return child

@@ -62,6 +62,19 @@ def test_common_prefix_len_matches_python(a, b):
     while expected < min(len(a), len(b)) and a[expected] == b[expected]:
         expected += 1
     assert common_prefix_len(t(a), t(b)) == expected
+    assert common_prefix_len(a, [9] + b, start=1) == expected  # lists, and an offset into b
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 300), st.integers(0, 300), st.integers(0, 300))
+def test_common_prefix_len_gallops_to_any_mismatch(n, m, where):
+    """Long runs: the first mismatch can lie anywhere, or nowhere."""
+    a = list(range(n))
+    b = list(range(m))
+    if where < min(n, m):
+        b[where] = -1
+    expected = next((i for i in range(min(n, m)) if a[i] != b[i]), min(n, m))
+    assert common_prefix_len(a, b) == expected
 
 
 def test_split_at_shares_storage_and_moves_metadata():
@@ -70,21 +83,16 @@ def test_split_at_shares_storage_and_moves_metadata():
     node.parent = root
     root.children[101] = node
     node.ref_count, node.hit_count, node.priority = 2, 4, 7
-    key_ptr = node.key.untyped_storage().data_ptr()
-    val_ptr = node.value.untyped_storage().data_ptr()
-    old_value = node.value
+    key_buf, val_buf = node.key.obj, node.value.obj
 
     upper = node.split_at(3)
 
     assert upper.key.tolist() == [101, 11, 12] and upper.value.tolist() == [0, 1, 2]
     assert node.key.tolist() == [21, 22] and node.value.tolist() == [3, 4]
-    # no K/V or id copied: both halves view the old storage
-    for x in (upper.key, node.key):
-        assert x.untyped_storage().data_ptr() == key_ptr
-    for x in (upper.value, node.value):
-        assert x.untyped_storage().data_ptr() == val_ptr
-    assert upper.value.data_ptr() == old_value.data_ptr()
-    assert node.value.data_ptr() == old_value.data_ptr() + 3 * old_value.element_size()
+    # no K/V, id or slot copied: both halves are views of the old buffers
+    assert upper.key.obj is key_buf and node.key.obj is key_buf
+    assert upper.value.obj is val_buf and node.value.obj is val_buf
+    assert (upper.length, node.length) == (3, 2)
     # structure
     assert root.children == {101: upper} and upper.parent is root
     assert upper.children == {21: node} and node.parent is upper

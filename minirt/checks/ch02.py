@@ -82,7 +82,7 @@ def check_merge(merge: Callable[[RadixNode], RadixNode]) -> None:
             grandkids = list(child.children.values())
             what = f"merge(node {parts[index]}) with its only child {parts[index + 1]} ({name})"
             key = parts[index] + parts[index + 1]
-            slots = torch.cat([node.value, child.value]).tolist()
+            slots = [*node.value, *child.value]
             got = call_reader(what, merge, node)
             expect(got is child,
                    f"{what} returned {got!r}, expected the child object (id {child.id}), now "
@@ -90,6 +90,9 @@ def check_merge(merge: Callable[[RadixNode], RadixNode]) -> None:
             expect(child.key.tolist() == key and child.value.tolist() == slots,
                    f"{what}: the surviving node holds key {child.key.tolist()} and slots "
                    f"{child.value.tolist()}, expected {key} and {slots}.")
+            expect(child.length == len(key),
+                   f"{what}: the survivor's length is {child.length}, expected {len(key)} "
+                   "(``length`` is a plain int kept in step with the key).")
             parent = root if index == 0 else nodes[index - 1]
             expect(child.parent is parent and parent.children == {child.key_fn(child.key): child},
                    f"{what}: the parent's children are {parent.children} and the survivor's "

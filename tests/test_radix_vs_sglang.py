@@ -1,0 +1,85 @@
+"""The side-by-side benchmark's agreement logic (benchmarks/radix_vs_sglang.py), on a small trace.
+
+SGLang's radix cache comes from its wheel, cached in ~/.cache/minirt/peers (or
+$MINIRT_PEERS) by the benchmark's first run; if it is not cached, the test tries to fetch
+it once and skips only if that fails (no network).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location(
+        "radix_vs_sglang", ROOT / "benchmarks" / "radix_vs_sglang.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.fixture(scope="module")
+def sglang(bench):
+    wheel = bench.sglang_wheel(fetch=True)
+    if wheel is None:
+        pytest.skip(f"{bench.SGLANG} is not cached and cannot be fetched")
+    before = {k for k in sys.modules if k.startswith("sglang")}
+    sgl = bench.load_sglang(wheel)
+    assert {k for k in sys.modules if k.startswith("sglang")} == before  # no leftovers
+    return sgl
+
+
+def small_trace(bench):
+    """Shared prefixes that end inside nodes and at page boundaries, repeats, and misses."""
+    rng = random.Random(3)
+    system = [rng.randrange(1000) for _ in range(40)]
+    requests = [system + [rng.randrange(1000) for _ in range(rng.randint(1, 30))]
+                for _ in range(12)]
+    requests += [requests[2], requests[5][:20], requests[7][:33], [5, 6, 7], []]
+    requests += [r + [1, 2, 3] for r in requests[:4]]
+    return bench.Trace("small", requests)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_minirt_and_sglang_agree_on_every_request(bench, sglang, page_size):
+    trace = small_trace(bench)
+    assert bench.check_agreement(bench.Minirt(), bench.SGLang(sglang), trace, page_size) == len(
+        trace.requests)
+    times = bench.time_pair([bench.Minirt(), bench.SGLang(sglang)], trace, page_size, repeats=1)
+    assert times["minirt"][2] == times["SGLang"][2] > 0  # both drained the same token count
+
+
+class _OffByOne:
+    """A contender that reports one token too many as already cached, from request 5 on."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, "off-by-one"
+
+    def fresh(self, page_size):
+        return self.inner.fresh(page_size)
+
+    def serve(self, cache, trace, record=None):
+        self.inner.serve(cache, trace, record)
+        if record is not None:
+            m, slots, c = record[5]
+            record[5] = (m, slots, c + 1)
+
+
+def test_a_disagreement_is_caught_and_named(bench, sglang):
+    trace = small_trace(bench)
+    with pytest.raises(bench.Disagreement, match="request 5 .* already-cached length differs"):
+        bench.check_agreement(_OffByOne(bench.Minirt()), bench.SGLang(sglang), trace, 1)
