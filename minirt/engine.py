@@ -3,8 +3,9 @@
 ``Engine.generate(requests)`` runs the chapter-04 lifecycle for a whole batch of
 requests, step by step, the way mini-sglang's scheduler loop does:
 
-1. *schedule*: waiting requests are admitted first come, first served while the
-   step's token budget (uncached prompt tokens to prefill) and the pool allow;
+1. *schedule*: waiting requests are admitted in the scheduler's order (first come,
+   first served by default; ``schedule=`` picks a chapter-07 policy) while the step's
+   token budget (uncached prompt tokens to prefill) and the pool allow;
 2. *admit*: match all but the last prompt token, lock the match, allocate slots
    for the gap only (evicting unlocked leaves when the free list is short);
 3. *prefill* the uncached tokens through the pool, sample the first output token
