@@ -25,8 +25,9 @@ def edge_right(prompts):
 
 def edge_total_minus_pairs(prompts):  # subtracts only what consecutive prompts share
     total = sum(map(len, prompts))
-    for a, b in zip(prompts, prompts[1:]):
-        total -= next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    for a, b in zip(prompts, prompts[1:], strict=False):
+        pairs = enumerate(zip(a, b, strict=False))
+        total -= next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
     return total
 
 
