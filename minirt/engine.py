@@ -3,8 +3,9 @@
 ``Engine.generate(requests)`` runs the chapter-04 lifecycle for a whole batch of
 requests, step by step, the way mini-sglang's scheduler loop does:
 
-1. *schedule*: waiting requests are admitted first come, first served while the
-   step's token budget (uncached prompt tokens to prefill) and the pool allow;
+1. *schedule*: waiting requests are admitted in the scheduler's order (first come,
+   first served by default; ``schedule=`` picks a chapter-07 policy) while the step's
+   token budget (uncached prompt tokens to prefill) and the pool allow;
 2. *admit*: match all but the last prompt token, lock the match, allocate slots
    for the gap only (evicting unlocked leaves when the free list is short);
 3. *prefill* the uncached tokens through the pool, sample the first output token
@@ -35,6 +36,7 @@ from .eviction import EvictionPolicy
 from .lifecycle import Lifecycle, node_path
 from .lifecycle import Request as LifecycleRequest
 from .pool import KVPool
+from .scheduler import Scheduler, make_scheduler
 from .workloads import support_chats, unique_prefix_count
 
 __all__ = [
@@ -239,15 +241,19 @@ class Engine:
     between two decode steps (the first request of a step is always admitted, so a
     prompt longer than the budget still runs, alone in its step). ``check`` runs the
     pool/cache integrity check after every step (for tests). The cache persists across
-    ``generate`` calls; ``flush`` empties it.
+    ``generate`` calls; ``flush`` empties it. ``schedule`` (a policy name or a
+    ``minirt.scheduler.Scheduler``) orders the waiting queue before each admission step;
+    the default "fcfs" admits in arrival order.
     """
 
     def __init__(self, model, tokenizer=None, capacity: int = 8192, page_size: int = 1,
                  policy: str | EvictionPolicy = "lru", use_cache: bool = True,
-                 token_budget: int = 2048, check: bool = False) -> None:
+                 token_budget: int = 2048, check: bool = False,
+                 schedule: str | Scheduler = "fcfs") -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) \
                 or token_budget < 1:
             raise RequestError(f"token_budget must be a positive int, got {token_budget!r}")
+        self.scheduler = make_scheduler(schedule)
         self.model, self.tokenizer = model, tokenizer
         self.pool = KVPool.for_model(model, capacity, page_size)
         self.cache = RadixCache(page_size=page_size, policy=policy)
@@ -415,22 +421,41 @@ class Engine:
         need = job.final_slots - match.cached_len
         return need + pinned <= self.pool.num_free + self.cache.evictable_size - reserved
 
+    # ---- scheduling hook (chapter 07): order the queue, defer for in-batch sharing
+    def _schedule(self, waiting: deque[_Job]) -> None:
+        """Reorder ``waiting`` in place as the scheduler says (FCFS keeps arrival order)."""
+        by_request = {id(j.lc): j for j in waiting}
+        ordered = self.scheduler.order([j.lc for j in waiting], self.cache)
+        waiting.clear()
+        waiting.extend(by_request[id(r)] for r in ordered)
+
+    def _defers(self, job: _Job, match: MatchResult, admitted: Sequence[_Job]) -> bool:
+        """In-batch sharing: the scheduler lets ``job`` wait a step for a prefix in flight."""
+        return self.scheduler.defers(job.lc.prompt, match.cached_len,
+                                     [j.lc.prompt for j in admitted])
+    # ---- end of the scheduling hook
+
     def _admit_and_prefill(self, waiting: deque[_Job], running: list[_Job], start: float,
                            on_token: TokenCallback | None) -> None:
-        """Steps 2-3: admit FCFS within the token budget and memory, prefill each admitted."""
-        budget, admitted = self.token_budget, 0
+        """Steps 2-3: admit in queue order within the token budget and memory, prefill each."""
+        self._schedule(waiting)
+        budget, admitted, deferred = self.token_budget, [], []
         while waiting:
             job = waiting[0]
             match = self._match(job)
+            if self._defers(job, match, admitted):
+                deferred.append(waiting.popleft())
+                continue
             uncached = job.lc.prompt.numel() - match.cached_len
             if admitted and uncached > budget:
-                break  # FCFS: the head waits for the next step; nobody overtakes it
+                break  # the head waits for the next step; nobody overtakes it
             if not self._fits(job, match, running):
                 if not running:  # pragma: no cover - validate() makes this impossible
                     raise RequestError(f"{job.lc.rid} cannot fit in an idle pool")
                 break
             waiting.popleft()
-            budget, admitted = budget - uncached, admitted + 1
+            budget = budget - uncached
+            admitted.append(job)
             self.lifecycle.admit(job.lc)  # lock + allocate the gap (evicting if short)
             t = time.perf_counter()
             self.lifecycle.prefill(job.lc)
@@ -445,6 +470,7 @@ class Engine:
             self._check()
             if budget <= 0:
                 break
+        waiting.extendleft(reversed(deferred))
 
     @staticmethod
     def _sampler(request: Request) -> Callable[[torch.Tensor], int]:
@@ -511,7 +537,8 @@ class Engine:
     def __repr__(self) -> str:
         return (f"Engine(capacity={self.pool.capacity}, page_size={self.pool.page_size}, "
                 f"policy={self.cache.policy.name}, use_cache={self.use_cache}, "
-                f"token_budget={self.token_budget}, cached={self.cache.total_size})")
+                f"token_budget={self.token_budget}, schedule={self.scheduler.policy!r}, "
+                f"cached={self.cache.total_size})")
 
 
 def _eos_id(model, tokenizer) -> int | None:

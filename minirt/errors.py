@@ -49,3 +49,7 @@ class OutOfMemoryError(PoolError):
 
 class RequestError(MinirtError, ValueError):
     """A request the runtime cannot serve: empty prompt, bad limits, too long for the pool."""
+
+
+class ScheduleError(MinirtError, ValueError):
+    """A scheduler setting that cannot work: unknown policy, negative or non-integer limits."""

@@ -3,7 +3,8 @@
 The seed's steps, one method each on ``Lifecycle`` (the engine of chapter 06 reuses them):
 
 1. ``match``: the longest cached prefix of the prompt -> a handle (not yet safe to use).
-2. ``schedule_order``: which waiting request goes first (FCFS or shortest-prefill-first).
+2. schedule: which waiting request goes first (``minirt.scheduler``, chapter 07; the
+   ``uncached_len`` of each request's last match is what a prefix-aware order reads).
 3. ``lock``: ref_count +1 from the handle's node to the root; the prefix turns protected.
 4. ``allocate``: pool slots for the uncached gap only, evicting unlocked leaves when short
    (``evict`` hands back slots, which go back on the pool's free list).
@@ -45,7 +46,6 @@ __all__ = [
     "node_path",
     "pool_map",
     "pool_map_text",
-    "schedule_order",
     "state_snapshot",
 ]
 
@@ -105,21 +105,6 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.rid}, state={self.state}, prompt={self.prompt.numel()} tokens, "
                 f"cached_len={self.cached_len}, kv_len={self.kv_len}, output={self.output})")
-
-
-def schedule_order(requests: Iterable[Request], policy: str = "fcfs") -> list[Request]:
-    """Waiting requests in the order a scheduler would try them.
-
-    ``"fcfs"``: by arrival. ``"spf"`` (shortest-prefill-first): fewest uncached prompt
-    tokens first (the cheapest to start, using each request's last ``match``), ties by
-    arrival.
-    """
-    reqs = list(requests)
-    if policy == "fcfs":
-        return sorted(reqs, key=lambda r: r.arrival)
-    if policy == "spf":
-        return sorted(reqs, key=lambda r: (r.uncached_len, r.arrival))
-    raise RequestError(f"unknown schedule policy {policy!r}; use 'fcfs' or 'spf'")
 
 
 def node_path(node: RadixNode) -> list[RadixNode]:
