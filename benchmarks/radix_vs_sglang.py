@@ -11,7 +11,11 @@ their other imports (KV events and metrics off, as in SGLang's defaults).
 
 Per request, both caches do what a server does (timed as one "request path"): match
 the prompt, read the cached prefix's slot indices, lock the match, insert the whole
-sequence with fresh slots, unlock. Then the tree is evicted to empty, a request's
+sequence with fresh slots, unlock. Each keeps its own copy of what it caches: minirt
+copies the new tokens and slots; SGLang clones the slots, and its insert key is a fresh
+slice of the request's ids, as its server path (``RadixCache.checkpoint``) makes it
+(handing it the trace's preallocated array would leave the cost of that memory out of
+its timing). Then the tree is evicted to empty, a request's
 worth of tokens per call (as a server making room), timed as "eviction".
 
 Every request's matched length, its slot indices and the already-cached length of
@@ -279,7 +283,10 @@ class SGLang(Contender):
             node = m.last_device_node
             prefix = cache.path_device_indices(node)
             cache.inc_lock_ref(node)
-            r = cache.insert(insert_params(key=key_of(ids), value=slots))
+            # the key the tree keeps is a fresh array, as in SGLang's own insert path
+            # (``RadixCache.checkpoint``: ``req.full_untruncated_fill_ids[:up_to]``), just
+            # as minirt copies what it keeps
+            r = cache.insert(insert_params(key=key_of(ids[: len(ids)]), value=slots))
             cache.dec_lock_ref(node)
             if record is not None:
                 record.append((m.device_prefix_len, prefix.tolist(), r.prefix_len))
