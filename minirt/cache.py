@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -36,9 +37,12 @@ __all__ = [
     "CacheStats",
     "InsertResult",
     "MatchResult",
+    "PrefixCache",
     "RadixCache",
+    "SaltedKey",
     "SizeInfo",
     "as_ids",
+    "check_salt",
     "insert_fresh",
 ]
 
@@ -140,13 +144,72 @@ def _concat(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(values) if values else _EMPTY
 
 
+Salt = str | bytes | None
+
+
+def check_salt(salt: Any) -> Salt:
+    """``salt`` if it is None or a non-empty str/bytes; RequestError (a ValueError) otherwise."""
+    if salt is None or (isinstance(salt, (str, bytes)) and len(salt) > 0):
+        return salt
+    raise RequestError(f"cache salt must be None or a non-empty str or bytes, got {salt!r:.80}")
+
+
+class SaltedKey:
+    """Child key of a salted request's nodes: ``(salt, key_fn(key))``, as SGLang's extra key.
+
+    Every node of a salted subtree carries it as its ``key_fn``, so a split re-keys the
+    halves correctly and requests with different salts never share a node.
+    """
+
+    def __init__(self, key_fn, salt: str | bytes) -> None:
+        self.key_fn, self.salt = key_fn, salt
+        self.page_size = getattr(key_fn, "page_size", 1)
+
+    def __call__(self, key: torch.Tensor) -> tuple:
+        return (self.salt, self.key_fn(key))
+
+
+class PrefixCache(Protocol):
+    """What the lifecycle and the engine need from a prefix cache (SGLang's BasePrefixCache).
+
+    ``RadixCache`` (a tree of token runs) and ``hashcache.HashCache`` (vLLM's hashed
+    blocks) implement it. A *unit* is a node or a block: it has ``value`` (its slots)
+    and ``ref_count`` (the running requests that hold it).
+    """
+
+    page_size: int
+
+    def match_prefix(self, ids: IdsLike, *, priority: int = 0,
+                     salt: Salt = None) -> MatchResult: ...
+    def insert_prefix(self, ids: IdsLike, indices: IdsLike, *, priority: int = 0,
+                      salt: Salt = None) -> InsertResult: ...
+    def lock(self, handle: Any) -> None: ...
+    def unlock(self, handle: Any) -> None: ...
+    def evict(self, num_tokens: int) -> torch.Tensor: ...
+    @property
+    def evictable_size(self) -> int: ...
+    @property
+    def protected_size(self) -> int: ...
+    @property
+    def total_size(self) -> int: ...
+    @property
+    def stats(self) -> CacheStats: ...
+    def held_by(self, handle: Any) -> list: ...
+    def units(self) -> Iterator: ...
+    def all_values(self) -> torch.Tensor: ...
+    def snapshot(self) -> tuple: ...
+    def check_integrity(self) -> None: ...
+    def reset(self) -> None: ...
+
+
 class RadixCache:
     """A radix tree of cached token prefixes, each token mapped to the pool slot of its K/V.
 
     ``page_size`` > 1 caches whole pages only: children are keyed by their first page,
     matches and inserts are rounded down to whole pages, and splits happen only at page
     boundaries. ``policy`` picks eviction victims ("lru", "lfu", "fifo", "priority", or an
-    ``EvictionPolicy``).
+    ``EvictionPolicy``). A ``salt`` on match/insert keys the request's nodes with it
+    (``SaltedKey``): requests with different salts never share a node.
     """
 
     def __init__(self, page_size: int = 1, policy: str | EvictionPolicy = "lru") -> None:
@@ -174,7 +237,7 @@ class RadixCache:
 
     # ------------------------------------------------------------------ match and insert
 
-    def match_prefix(self, ids: IdsLike, *, priority: int = 0) -> MatchResult:
+    def match_prefix(self, ids: IdsLike, *, priority: int = 0, salt: Salt = None) -> MatchResult:
         """The longest cached prefix of ``ids``, in whole pages: handle, slot indices, length.
 
         If the match ends inside a node, that node is split there so that the handle's
@@ -184,7 +247,7 @@ class RadixCache:
         """
         ids = as_ids(ids)
         priority = _check_priority(priority)
-        node, cached_len, values = self._descend(ids, ids.tolist())
+        node, cached_len, values = self._descend(ids, ids.tolist(), check_salt(salt))
         self._tick += 1
         self._touch(node, priority, hit=True)
         self._queries += 1
@@ -193,7 +256,7 @@ class RadixCache:
         return MatchResult(CacheHandle(node, cached_len), _concat(values), cached_len)
 
     def insert_prefix(
-        self, ids: IdsLike, indices: IdsLike, *, priority: int = 0
+        self, ids: IdsLike, indices: IdsLike, *, priority: int = 0, salt: Salt = None
     ) -> InsertResult:
         """Cache ``ids[:n]`` with K/V in slots ``indices[:n]``, n = len(ids) rounded down to pages.
 
@@ -209,18 +272,20 @@ class RadixCache:
                 f"{indices.numel()}"
             )
         priority = _check_priority(priority)
+        salt = check_salt(salt)
         n = ids.numel() - ids.numel() % self.page_size
         ids, indices = ids[:n], indices[:n]
         tokens = ids.tolist()
-        node, cached_len, values = self._descend(ids, tokens)
+        node, cached_len, values = self._descend(ids, tokens, salt)
         self._tick += 1
         if cached_len < n:
+            key_fn = self.key_fn if salt is None else SaltedKey(self.key_fn, salt)
             leaf = RadixNode(
-                self.key_fn, ids[cached_len:].clone(), indices[cached_len:].clone(), self._tick
+                key_fn, ids[cached_len:].clone(), indices[cached_len:].clone(), self._tick
             )
             leaf.priority = priority
             leaf.parent = node
-            node.children[self._child_key(tokens, cached_len)] = leaf
+            node.children[self._child_key(tokens, cached_len, salt)] = leaf
             self._evictable += leaf.length
             self._num_nodes += 1
             values.append(leaf.value)
@@ -230,12 +295,16 @@ class RadixCache:
             self._heap.push(node)  # a new evictable leaf
         return InsertResult(cached_len, CacheHandle(node, n), _concat(values))
 
-    def _child_key(self, tokens: list[int], pos: int) -> Hashable:
-        """``key_fn(ids[pos:])`` computed on a Python list (no tensor op per tree level)."""
-        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
+    def _child_key(self, tokens: list[int], pos: int, salt: Salt = None) -> Hashable:
+        """``key_fn(ids[pos:])`` computed on a Python list (no tensor op per tree level).
+
+        With a salt the key is ``(salt, key)`` (``SaltedKey``), at every level.
+        """
+        key = tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
+        return key if salt is None else (salt, key)
 
     def _descend(
-        self, ids: torch.Tensor, tokens: list[int]
+        self, ids: torch.Tensor, tokens: list[int], salt: Salt = None
     ) -> tuple[RadixNode, int, list[torch.Tensor]]:
         """Follow ``ids`` down from the root page by page; split where the match stops mid-node.
 
@@ -245,7 +314,7 @@ class RadixCache:
         node, pos, values = self.root, 0, []
         n, page = ids.numel(), self.page_size
         while n - pos >= page:
-            child = node.children.get(self._child_key(tokens, pos))
+            child = node.children.get(self._child_key(tokens, pos, salt))
             if child is None:
                 break
             m = child.get_match_len(ids[pos:])  # >= one page: the first page is the key
@@ -363,7 +432,7 @@ class RadixCache:
         """Detach an evictable leaf; its parent may become an evictable leaf itself."""
         parent = node.parent
         assert parent is not None and is_evictable_leaf(node)
-        del parent.children[self.key_fn(node.key)]
+        del parent.children[node.key_fn(node.key)]
         node.parent = None  # marks the node evicted: handles to it are now stale
         self._evictable -= node.length
         self._num_nodes -= 1
@@ -408,6 +477,28 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    units = nodes  # the cache protocol's name for "every node or block"
+
+    def held_by(self, handle: CacheHandle) -> list[RadixNode]:
+        """The nodes a lock on ``handle`` holds, root-most first (root excluded); checks it."""
+        return self._path(handle)[-2::-1]
+
+    def snapshot(self) -> tuple:
+        """Every cached token as (salt, prefix, slot, ref_count) and the sizes, for ``==``.
+
+        Token by token, so a ``split_at`` (metadata only) does not count as a change.
+        """
+        tokens = []
+        stack: list[tuple[RadixNode, tuple]] = [(self.root, ())]
+        while stack:
+            node, prefix = stack.pop()
+            keys = node.key.tolist()
+            salt = getattr(node.key_fn, "salt", None)
+            for i, slot in enumerate(node.value.tolist()):
+                tokens.append((salt, prefix + tuple(keys[: i + 1]), slot, node.ref_count))
+            stack.extend((c, prefix + tuple(keys)) for c in node.children.values())
+        return tuple(sorted(tokens, key=repr)), self._evictable, self._protected
+
     def all_values(self) -> torch.Tensor:
         """Every slot index the tree owns (each exactly once)."""
         return _concat([node.value for node in self.nodes()])
@@ -430,7 +521,7 @@ class RadixCache:
             for k, child in node.children.items():
                 require(child.parent is node, "child.parent points back at its parent", child)
                 require(child.length > 0, "no empty node besides the root", child)
-                require(k == self.key_fn(child.key), "children keyed by key_fn(child.key)", child)
+                require(k == child.key_fn(child.key), "children keyed by key_fn(child.key)", child)
                 child_refs += child.ref_count
                 stack.append(child)
             require(node.ref_count >= child_refs, "a locked node's ancestors are locked", node)
