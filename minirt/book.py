@@ -30,7 +30,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     4: ("pool", "lifecycle"),
     5: ("eviction", "simulate"),
     6: ("engine",),
-    8: ("hashcache",),
+    8: ("hashcache", "sidechannel"),
 }
 
 

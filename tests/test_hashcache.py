@@ -234,3 +234,35 @@ def test_engine_hash_cache_hits_and_salts(model):
         Engine(model, cache="hash", policy="lfu")
     with pytest.raises(ValueError, match="'radix' or 'hash'"):
         Engine(model, cache="tree")
+
+
+# ---------------------------------------------------------------- attack statistics
+
+
+def test_mann_whitney_matches_exact_permutation_test_and_chance_interval():
+    import itertools
+    import random
+
+    from minirt.sidechannel import chance_interval, mann_whitney_p
+
+    def exact(x, y):  # P(U' >= U_obs) over all splits, U' counting x-before-y pairs
+        def u(xs, ys):
+            return sum((a < b) + 0.5 * (a == b) for a in xs for b in ys)
+        pooled, obs = x + y, u(x, y)
+        splits = list(itertools.combinations(range(len(pooled)), len(x)))
+        hits = sum(u([pooled[i] for i in c], [pooled[i] for i in range(len(pooled))
+                                               if i not in c]) >= obs for c in splits)
+        return hits / len(splits)
+
+    rng = random.Random(3)
+    for shift in (0.0, 0.8, 2.0):
+        x = [rng.gauss(0, 1) for _ in range(7)]
+        y = [rng.gauss(shift, 1) for _ in range(8)]
+        assert abs(mann_whitney_p(x, y) - exact(x, y)) < 0.03
+    assert mann_whitney_p([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]) < 0.001
+    with pytest.raises(ValueError):
+        mann_whitney_p([], [1.0])
+    lo, hi = chance_interval(10, 4)
+    assert (lo, hi) == (0.0, 0.5)  # Binomial(10, 1/4): P(X > 5) ~ 0.020, P(X >= 5) ~ 0.078
+    lo, hi = chance_interval(40, 4)
+    assert lo < 0.25 < hi and (lo, hi) == (0.125, 0.4)
