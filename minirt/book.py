@@ -31,6 +31,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     5: ("eviction", "simulate"),
     6: ("engine",),
     7: ("scheduler",),
+    8: ("hashcache", "sidechannel"),
 }
 
 

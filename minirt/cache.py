@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -36,10 +37,13 @@ __all__ = [
     "CacheStats",
     "InsertResult",
     "MatchResult",
+    "PrefixCache",
     "RadixCache",
+    "SaltedKey",
     "SizeInfo",
     "as_ids",
     "as_token_view",
+    "check_salt",
     "insert_fresh",
     "slots_tensor",
 ]
@@ -191,13 +195,73 @@ def slots_tensor(runs: Iterable[Tokens]) -> torch.Tensor:
     return torch.frombuffer(joined, dtype=torch.int64) if joined else _NO_SLOTS
 
 
+Salt = str | bytes | None
+
+
+def check_salt(salt: Any) -> Salt:
+    """``salt`` if it is None or a non-empty str/bytes; RequestError (a ValueError) otherwise."""
+    if salt is None or (isinstance(salt, (str, bytes)) and len(salt) > 0):
+        return salt
+    raise RequestError(f"cache salt must be None or a non-empty str or bytes, got {salt!r:.80}")
+
+
+class SaltedKey:
+    """Child key of a salted request's nodes: ``(salt, key_fn(key))``, as SGLang's extra key.
+
+    Every node of a salted subtree carries it as its ``key_fn``, so a split re-keys the
+    halves correctly and requests with different salts never share a node.
+    """
+
+    def __init__(self, key_fn, salt: str | bytes) -> None:
+        self.key_fn, self.salt = key_fn, salt
+        self.page_size = getattr(key_fn, "page_size", 1)
+
+    def __call__(self, tokens: Tokens | Sequence[int], pos: int = 0) -> tuple:
+        return (self.salt, self.key_fn(tokens, pos))
+
+
+class PrefixCache(Protocol):
+    """What the lifecycle and the engine need from a prefix cache (SGLang's BasePrefixCache).
+
+    ``RadixCache`` (a tree of token runs) and ``hashcache.HashCache`` (vLLM's hashed
+    blocks) implement it. A *unit* is a node or a block: it has ``value`` (its slots)
+    and ``ref_count`` (the running requests that hold it).
+    """
+
+    page_size: int
+
+    def match_prefix(self, ids: IdsLike, *, priority: int = 0,
+                     salt: Salt = None) -> MatchResult: ...
+    def insert_prefix(self, ids: IdsLike, indices: IdsLike, *, priority: int = 0,
+                      salt: Salt = None) -> InsertResult: ...
+    def lock(self, handle: Any) -> None: ...
+    def unlock(self, handle: Any) -> None: ...
+    def evict(self, num_tokens: int) -> torch.Tensor: ...
+    @property
+    def evictable_size(self) -> int: ...
+    @property
+    def protected_size(self) -> int: ...
+    @property
+    def total_size(self) -> int: ...
+    @property
+    def stats(self) -> CacheStats: ...
+    def peek_prefix_len(self, ids: IdsLike, *, salt: Salt = None) -> int: ...
+    def held_by(self, handle: Any) -> list: ...
+    def units(self) -> Iterator: ...
+    def all_values(self) -> torch.Tensor: ...
+    def snapshot(self) -> tuple: ...
+    def check_integrity(self) -> None: ...
+    def reset(self) -> None: ...
+
+
 class RadixCache:
     """A radix tree of cached token prefixes, each token mapped to the pool slot of its K/V.
 
     ``page_size`` > 1 caches whole pages only: children are keyed by their first page,
     matches and inserts are rounded down to whole pages, and splits happen only at page
     boundaries. ``policy`` picks eviction victims ("lru", "lfu", "fifo", "priority", or an
-    ``EvictionPolicy``).
+    ``EvictionPolicy``). A ``salt`` on match/insert keys the request's nodes with it
+    (``SaltedKey``): requests with different salts never share a node.
     """
 
     def __init__(self, page_size: int = 1, policy: str | EvictionPolicy = "lru") -> None:
@@ -225,7 +289,7 @@ class RadixCache:
 
     # ------------------------------------------------------------------ match and insert
 
-    def match_prefix(self, ids: IdsLike, *, priority: int = 0) -> MatchResult:
+    def match_prefix(self, ids: IdsLike, *, priority: int = 0, salt: Salt = None) -> MatchResult:
         """The longest cached prefix of ``ids``, in whole pages: handle, length, slot indices.
 
         If the match ends inside a node, that node is split there so that the handle's
@@ -235,7 +299,7 @@ class RadixCache:
         """
         ids = as_token_view(ids)
         priority = _check_priority(priority)
-        node, cached_len, runs = self._descend(ids)
+        node, cached_len, runs = self._descend(ids, check_salt(salt))
         self._tick += 1
         self._touch(node, priority, hit=True)
         self._queries += 1
@@ -244,7 +308,7 @@ class RadixCache:
         return MatchResult(CacheHandle(node, cached_len), cached_len, tuple(runs))
 
     def insert_prefix(
-        self, ids: IdsLike, indices: IdsLike, *, priority: int = 0
+        self, ids: IdsLike, indices: IdsLike, *, priority: int = 0, salt: Salt = None
     ) -> InsertResult:
         """Cache ``ids[:n]`` with K/V in slots ``indices[:n]``, n = len(ids) rounded down to pages.
 
@@ -259,17 +323,19 @@ class RadixCache:
                 f"ids and indices must have the same length, got {len(ids)} and {len(slots)}"
             )
         priority = _check_priority(priority)
+        salt = check_salt(salt)
         n = len(ids) - len(ids) % self.page_size
-        node, cached_len, runs = self._descend(ids[:n])
+        node, cached_len, runs = self._descend(ids[:n], salt)
         self._tick += 1
         if cached_len < n:
             key, value = ids[cached_len:n], slots[cached_len:n]  # views of this call's copies
             if cached_len:  # buffers of its own, so the leaf does not keep the prefix alive
                 key, value = _copy(key), _copy(value)
-            leaf = RadixNode(self.key_fn, key, value, self._tick)
+            key_fn = self.key_fn if salt is None else SaltedKey(self.key_fn, salt)
+            leaf = RadixNode(key_fn, key, value, self._tick)
             leaf.priority = priority
             leaf.parent = node
-            node.children[self.key_fn(leaf.key)] = leaf
+            node.children[key_fn(leaf.key)] = leaf
             self._evictable += leaf.length
             self._num_nodes += 1
             runs.append(leaf.value)
@@ -279,15 +345,33 @@ class RadixCache:
             self._heap.push(node)  # a new evictable leaf
         return InsertResult(cached_len, CacheHandle(node, n), tuple(runs))
 
-    def _descend(self, ids: Tokens) -> tuple[RadixNode, int, list[Tokens]]:
+    def peek_prefix_len(self, ids: IdsLike, *, salt: Salt = None) -> int:
+        """The length ``match_prefix`` would return, read only: no split, no access time, no
+        statistics (what a scheduler peeks at for every waiting prompt)."""
+        ids, salt = as_token_view(ids), check_salt(salt)
+        key_fn = self.key_fn if salt is None else SaltedKey(self.key_fn, salt)
+        node, pos, n = self.root, 0, len(ids)
+        while n - pos >= self.page_size:
+            child = node.children.get(key_fn(ids, pos))
+            if child is None:
+                break
+            m = child.get_match_len(ids, pos)
+            pos += m
+            if m < child.length:
+                break
+            node = child
+        return pos
+
+    def _descend(self, ids: Tokens, salt: Salt = None) -> tuple[RadixNode, int, list[Tokens]]:
         """Follow ``ids`` down from the root page by page; split where the match stops mid-node.
 
         Returns the node the match ends at, the matched length and the matched slot runs.
         """
         node, pos, runs = self.root, 0, []
         n, page = len(ids), self.page_size
+        key_fn = self.key_fn if salt is None else SaltedKey(self.key_fn, salt)
         while n - pos >= page:
-            child = node.children.get(self.key_fn(ids, pos))
+            child = node.children.get(key_fn(ids, pos))
             if child is None:
                 break
             m = child.get_match_len(ids, pos)  # >= one page: the first page is the key
@@ -421,7 +505,7 @@ class RadixCache:
         """Detach an evictable leaf; its parent may become an evictable leaf itself."""
         parent = node.parent
         assert parent is not None and is_evictable_leaf(node)
-        del parent.children[self.key_fn(node.key)]
+        del parent.children[node.key_fn(node.key)]
         node.parent = None  # marks the node evicted: handles to it are now stale
         self._evictable -= node.length
         self._num_nodes -= 1
@@ -472,6 +556,36 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    units = nodes  # the cache protocol's name for "every node or block"
+
+    def held_by(self, handle: CacheHandle) -> list[RadixNode]:
+        """The nodes a lock on ``handle`` holds, root-most first (root excluded).
+
+        HandleError or StaleHandleError, as ``unlock`` raises them, if the handle is bad.
+        """
+        self._add_ref(handle, 0)  # checks the handle, changes nothing
+        path, node = [], handle.node
+        while node is not self.root:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+    def snapshot(self) -> tuple:
+        """Every cached token as (salt, prefix, slot, ref_count) and the sizes, for ``==``.
+
+        Token by token, so a ``split_at`` (metadata only) does not count as a change.
+        """
+        tokens = []
+        stack: list[tuple[RadixNode, tuple]] = [(self.root, ())]
+        while stack:
+            node, prefix = stack.pop()
+            keys = node.key.tolist()
+            salt = getattr(node.key_fn, "salt", None)
+            for i, slot in enumerate(node.value.tolist()):
+                tokens.append((salt, prefix + tuple(keys[: i + 1]), slot, node.ref_count))
+            stack.extend((c, prefix + tuple(keys)) for c in node.children.values())
+        return tuple(sorted(tokens, key=repr)), self._evictable, self._protected
+
     def all_values(self) -> torch.Tensor:
         """Every slot index the tree owns (each exactly once)."""
         return slots_tensor(node.value for node in self.nodes())
@@ -494,7 +608,7 @@ class RadixCache:
             for k, child in node.children.items():
                 require(child.parent is node, "child.parent points back at its parent", child)
                 require(child.length > 0, "no empty node besides the root", child)
-                require(k == self.key_fn(child.key), "children keyed by key_fn(child.key)", child)
+                require(k == child.key_fn(child.key), "children keyed by key_fn(child.key)", child)
                 child_refs += child.ref_count
                 stack.append(child)
             require(node.ref_count >= child_refs, "a locked node's ancestors are locked", node)

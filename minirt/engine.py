@@ -15,7 +15,8 @@ requests, step by step, the way mini-sglang's scheduler loop does:
 5. *finish*: insert prompt + output, unlock, free the tail that is not a whole page.
 
 With ``use_cache=False`` the same loop computes every prompt in full and caches
-nothing: the baseline the savings are measured against.
+nothing: the baseline the savings are measured against. ``cache="hash"`` runs the same
+loop on chapter 08's block-hash cache (vLLM's design) instead of the radix tree.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from functools import partial
 
 import torch
 
-from .cache import MatchResult, RadixCache, as_ids
+from .cache import MatchResult, PrefixCache, RadixCache, as_ids, check_salt
 from .errors import InvalidIdsError, RequestError
 from .eviction import EvictionPolicy
 from .lifecycle import Lifecycle, node_path
@@ -67,6 +68,7 @@ class Request:
     seeded request gives the same tokens whatever else is in the batch. ``priority``
     is handed to the cache (the "priority" eviction policy keeps high values longest).
     ``stop_on_eos``: finish early when the model emits its end-of-sequence token.
+    ``cache_salt``: only requests with the same salt share cached K/V (None: all share).
     """
 
     prompt: Sequence[int] | torch.Tensor | None = None
@@ -78,6 +80,7 @@ class Request:
     priority: int = 0
     stop_on_eos: bool = True
     rid: str | None = None
+    cache_salt: str | bytes | None = None
 
 
 @dataclass
@@ -243,20 +246,21 @@ class Engine:
     pool/cache integrity check after every step (for tests). The cache persists across
     ``generate`` calls; ``flush`` empties it. ``schedule`` (a policy name or a
     ``minirt.scheduler.Scheduler``) orders the waiting queue before each admission step;
-    the default "fcfs" admits in arrival order.
+    the default "fcfs" admits in arrival order. ``cache``: "radix" (the tree, evicting by
+    ``policy``) or "hash" (vLLM's hashed blocks of ``page_size`` tokens, free-queue order).
     """
 
     def __init__(self, model, tokenizer=None, capacity: int = 8192, page_size: int = 1,
                  policy: str | EvictionPolicy = "lru", use_cache: bool = True,
                  token_budget: int = 2048, check: bool = False,
-                 schedule: str | Scheduler = "fcfs") -> None:
+                 schedule: str | Scheduler = "fcfs", cache: str = "radix") -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) \
                 or token_budget < 1:
             raise RequestError(f"token_budget must be a positive int, got {token_budget!r}")
         self.scheduler = make_scheduler(schedule)
         self.model, self.tokenizer = model, tokenizer
         self.pool = KVPool.for_model(model, capacity, page_size)
-        self.cache = RadixCache(page_size=page_size, policy=policy)
+        self.cache = _make_cache(cache, page_size, policy)
         self.lifecycle = _CountingLifecycle(model, self.pool, self.cache)
         self.use_cache, self.token_budget, self.check = use_cache, token_budget, check
         config = model.config.get_text_config(decoder=True)
@@ -316,6 +320,7 @@ class Engine:
             if isinstance(v, bool) or not isinstance(v, int) or (name == "top_k" and v < 0):
                 raise RequestError(f"{name} must be an int{' >= 0' * (name == 'top_k')}, "
                                    f"got {v!r}")
+        check_salt(request.cache_salt)
         if request.seed is not None and (isinstance(request.seed, bool)
                                          or not isinstance(request.seed, int)):
             raise RequestError(f"seed must be an int or None, got {request.seed!r}")
@@ -364,7 +369,7 @@ class Engine:
                 lc_req = self.lifecycle.new_request(
                     ids, request.max_new_tokens, rid=rid,
                     eos_token_id=self.eos_token_id if request.stop_on_eos else None,
-                    next_token=self._sampler(request))
+                    next_token=self._sampler(request), salt=request.cache_salt)
             except RequestError as exc:
                 result.error = exc
                 continue
@@ -405,7 +410,8 @@ class Engine:
         is sampled from, and a cache holds K/V, not logits.
         """
         req = job.lc
-        req.match = self.cache.match_prefix(req.prompt[:-1], priority=job.request.priority)
+        req.match = self.cache.match_prefix(req.prompt[:-1], priority=job.request.priority,
+                                            salt=req.salt)
         return req.match
 
     def _fits(self, job: _Job, match: MatchResult, running: Sequence[_Job]) -> bool:
@@ -417,7 +423,8 @@ class Engine:
         """
         reserved = sum(j.final_slots - (j.lc.cached_len + int(j.lc.private.numel()))
                        for j in running)
-        pinned = sum(n.length for n in node_path(match.handle.node) if n.ref_count == 0)
+        pinned = sum(u.value.numel() for u in self.cache.held_by(match.handle)
+                     if u.ref_count == 0)
         need = job.final_slots - match.cached_len
         return need + pinned <= self.pool.num_free + self.cache.evictable_size - reserved
 
@@ -464,8 +471,9 @@ class Engine:
             job.ttft = time.perf_counter() - start
             if self.use_cache:
                 handle = self.lifecycle.insert_running(job.lc)
-                for node in node_path(handle.node):  # locked now: safe to re-key
-                    node.priority = max(node.priority, job.request.priority)
+                if isinstance(self.cache, RadixCache):
+                    for node in node_path(handle.node):  # locked now: safe to re-key
+                        node.priority = max(node.priority, job.request.priority)
             running.append(job)
             self._check()
             if budget <= 0:
@@ -535,10 +543,26 @@ class Engine:
         return self.lifecycle.evicted_tokens
 
     def __repr__(self) -> str:
-        return (f"Engine(capacity={self.pool.capacity}, page_size={self.pool.page_size}, "
-                f"policy={self.cache.policy.name}, use_cache={self.use_cache}, "
+        policy = getattr(self.cache, "policy", None)
+        return (f"Engine(cache={type(self.cache).__name__}, capacity={self.pool.capacity}, "
+                f"page_size={self.pool.page_size}, "
+                f"policy={policy.name if policy else 'free queue'}, use_cache={self.use_cache}, "
                 f"token_budget={self.token_budget}, schedule={self.scheduler.policy!r}, "
                 f"cached={self.cache.total_size})")
+
+
+def _make_cache(kind: str, page_size: int, policy: str | EvictionPolicy) -> PrefixCache:
+    """The engine's prefix cache: "radix" (``RadixCache``) or "hash" (``HashCache``)."""
+    if kind == "radix":
+        return RadixCache(page_size=page_size, policy=policy)
+    if kind == "hash":
+        if policy != "lru":
+            raise ValueError(f"policy {policy!r} applies to the radix cache only: the hash "
+                             "cache evicts in free-queue order")
+        from .hashcache import HashCache  # chapter 08's module, loaded only when asked for
+
+        return HashCache(block_size=page_size)
+    raise ValueError(f"cache must be 'radix' or 'hash', got {kind!r}")
 
 
 def _eos_id(model, tokenizer) -> int | None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CacheHandle, MatchResult, RadixCache, as_ids, slots_tensor
+from .cache import CacheHandle, MatchResult, PrefixCache, as_ids, check_salt, slots_tensor
 from .errors import OutOfMemoryError, PoolError, RequestError, StaleHandleError
 from .pool import KVPool, PageTable, forward_paged
 from .radix import RadixNode
@@ -83,6 +83,7 @@ class Request:
     page_table: PageTable = field(default_factory=PageTable)
     private: torch.Tensor = field(default_factory=lambda: _EMPTY)
     next_token: Callable[[torch.Tensor], int] = field(default=greedy_token, repr=False)
+    salt: str | bytes | None = None  # cache salt: only requests with the same salt share K/V
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -107,6 +108,11 @@ class Request:
                 f"cached_len={self.cached_len}, kv_len={self.kv_len}, output={self.output})")
 
 
+def _slot_tensor(value) -> torch.Tensor:
+    """A unit's slots as a tensor: hash blocks hold tensors, radix nodes ``Tokens`` views."""
+    return value if isinstance(value, torch.Tensor) else slots_tensor([value])
+
+
 def node_path(node: RadixNode) -> list[RadixNode]:
     """``node`` and its ancestors, root excluded, root-most first."""
     path = []
@@ -121,13 +127,16 @@ def _pages(num_tokens: int, page_size: int) -> int:
 
 
 class Lifecycle:
-    """Requests over one model, one ``KVPool`` and one ``RadixCache`` (same page size).
+    """Requests over one model, one ``KVPool`` and one prefix cache (same page size).
+
+    The cache is anything that implements ``cache.PrefixCache``: the ``RadixCache``
+    of chapters 03-05, or chapter 08's ``HashCache``.
 
     Every method either completes or raises leaving pool, tree and requests exactly as
     they were (``state_snapshot`` compares), so a scheduler can simply try and retry.
     """
 
-    def __init__(self, model, pool: KVPool, cache: RadixCache) -> None:
+    def __init__(self, model, pool: KVPool, cache: PrefixCache) -> None:
         if cache.page_size != pool.page_size:
             raise PoolError(f"cache page_size {cache.page_size} != pool page_size "
                             f"{pool.page_size}")
@@ -139,12 +148,15 @@ class Lifecycle:
     # ------------------------------------------------------------ requests
     def new_request(self, prompt, max_new_tokens: int = 1, rid: str | None = None,
                     eos_token_id: int | None = None,
-                    next_token: Callable[[torch.Tensor], int] = greedy_token) -> Request:
+                    next_token: Callable[[torch.Tensor], int] = greedy_token,
+                    salt: str | bytes | None = None) -> Request:
         """A waiting request; RequestError if it is empty or could never fit in the pool.
 
-        ``next_token`` turns a position's logits into the token to append (greedy by default).
+        ``next_token`` turns a position's logits into the token to append (greedy by default);
+        ``salt`` keeps its cached K/V apart from every request with another salt.
         """
         ids = as_ids(prompt, "prompt")
+        salt = check_salt(salt)
         if ids.numel() == 0:
             raise RequestError("a request needs at least one prompt token")
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
@@ -163,7 +175,7 @@ class Lifecycle:
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         req = Request(rid, ids, max_new_tokens, eos_token_id, arrival=next(self._arrivals),
-                      next_token=next_token)
+                      next_token=next_token, salt=salt)
         self.requests[rid] = req
         return req
 
@@ -186,7 +198,7 @@ class Lifecycle:
         The result is only a candidate: until ``lock``, eviction may still take it.
         """
         self._require(req, "waiting")
-        req.match = self.cache.match_prefix(req.prompt[:-1])
+        req.match = self.cache.match_prefix(req.prompt[:-1], salt=req.salt)
         return req.match
 
     def lock(self, req: Request) -> CacheHandle:
@@ -325,7 +337,7 @@ class Lifecycle:
         """
         n = req.kv_len
         slots = req.page_table.slots[:n]
-        res = self.cache.insert_prefix(req.tokens[:n], slots)
+        res = self.cache.insert_prefix(req.tokens[:n], slots, salt=req.salt)
         aligned = int(res.indices.numel())
         req.page_table.repoint(res.indices)              # 1. re-point first ...
         duplicates = slots[req.cached_len:res.cached_len]
@@ -410,15 +422,15 @@ def greedy_reference(model, prompt, max_new_tokens: int) -> list[int]:
 # ---------------------------------------------------------------- invariants
 
 
-def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]) -> None:
+def check_integrity(pool: KVPool, cache: PrefixCache, requests: Iterable[Request]) -> None:
     """The invariants of pool + cache + running requests; AssertionError names the broken one.
 
     * free + evictable + protected + request-private == capacity;
     * every slot owned exactly once: by the free list, the tree, or one request;
-    * a request's page table = its handle's path in the tree, then its private slots;
-      no page table points at a free slot;
-    * each node's ref_count = the number of running handles through it (so a locked
-      node's ancestors are locked), and the tree's own invariants hold.
+    * a request's page table = the slots of the units (nodes or blocks) its handle holds,
+      then its private slots; no page table points at a free slot;
+    * each unit's ref_count = the number of running handles holding it, and the cache's
+      own invariants hold.
     """
     def require(cond: bool, what: str) -> None:
         if not cond:
@@ -453,10 +465,11 @@ def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]
     expected_refs: dict[int, int] = {}
     for r in reqs:
         require(r.handle is not None, f"{r.rid} is {r.state} without a handle")
-        path = node_path(r.handle.node)
-        top = path[0].parent if path else r.handle.node
-        require(top is cache.root, f"{r.rid}'s handle is stale (its node left the tree)")
-        tree_slots = slots_tensor(n.value for n in path)
+        try:
+            path = cache.held_by(r.handle)
+        except StaleHandleError:
+            raise AssertionError(f"integrity: {r.rid}'s handle is stale (evicted)") from None
+        tree_slots = torch.cat([_slot_tensor(n.value) for n in path]) if path else _EMPTY
         require(r.cached_len == tree_slots.numel() == r.handle.cached_len,
                 f"{r.rid}: cached_len {r.cached_len} != its handle's prefix {tree_slots.numel()}")
         table = r.page_table.slots
@@ -472,13 +485,10 @@ def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]
                 f"{r.rid}: page table beyond the cached prefix is not its private slots")
         for n in path:
             expected_refs[id(n)] = expected_refs.get(id(n), 0) + 1
-    for n in cache.nodes():
+    for n in cache.units():
         require(n.ref_count == expected_refs.get(id(n), 0),
-                f"node {n} has ref_count {n.ref_count} but {expected_refs.get(id(n), 0)} "
+                f"{n} has ref_count {n.ref_count} but {expected_refs.get(id(n), 0)} "
                 "running requests use it")
-        if n.ref_count:
-            require(n.parent.is_root() or n.parent.ref_count >= n.ref_count,
-                    f"locked node {n} has a less-locked parent")
 
 
 # ---------------------------------------------------------------- snapshots
@@ -487,24 +497,14 @@ def check_integrity(pool: KVPool, cache: RadixCache, requests: Iterable[Request]
 def state_snapshot(lc: Lifecycle) -> tuple:
     """Everything observable about pool, tree and requests, as nested tuples (for ==).
 
-    The tree is recorded token by token (prefix -> slot, ref_count), so a ``split_at``
-    done by a match, which moves metadata only, does not count as a change.
+    The cache is recorded by its own ``snapshot`` (the radix tree token by token, so a
+    ``split_at`` done by a match, which moves metadata only, does not count as a change).
     """
-    tokens = []
-    stack = [(lc.cache.root, ())]
-    while stack:
-        node, prefix = stack.pop()
-        keys = node.key.tolist()
-        for i, slot in enumerate(node.value.tolist()):
-            tokens.append((prefix + tuple(keys[:i + 1]), slot, node.ref_count))
-        path = prefix + tuple(keys)
-        stack.extend((c, path) for c in node.children.values())
     reqs = tuple(
         (r.rid, r.state, r.cached_len, r.kv_len, tuple(r.output), tuple(r.page_table.tolist()),
          tuple(r.private.tolist()), None if r.handle is None else r.handle.cached_len)
         for r in lc.requests.values())
-    return (lc.pool.snapshot(), tuple(sorted(tokens)), lc.cache.evictable_size,
-            lc.cache.protected_size, reqs)
+    return lc.pool.snapshot(), lc.cache.snapshot(), reqs
 
 
 def pool_map(lc: Lifecycle) -> list[str]:
@@ -512,7 +512,7 @@ def pool_map(lc: Lifecycle) -> list[str]:
     labels = ["?"] * lc.pool.capacity
     for s in lc.pool.free_slots().tolist():
         labels[s] = "free"
-    for n in lc.cache.nodes():
+    for n in lc.cache.units():
         for s in n.value.tolist():
             labels[s] = "protected" if n.ref_count else "cached"
     for r in lc.running:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .cache import RadixCache, as_ids
+from .cache import PrefixCache, RadixCache, as_ids
 from .errors import ScheduleError
 from .workloads import unique_prefix_count
 
@@ -69,27 +69,14 @@ class Schedulable(Protocol):
     max_new_tokens: int
 
 
-def cached_prefix_len(cache: RadixCache, ids: Any) -> int:
+def cached_prefix_len(cache: PrefixCache, ids: Any, salt: Any = None) -> int:
     """The longest cached prefix of ``ids`` in whole pages, read only.
 
-    Unlike ``RadixCache.match_prefix`` it splits no node, touches no access time and
-    counts no statistics: a scheduler peeking at every waiting prompt must not make the
-    cache look hotter than it is.
+    Unlike ``match_prefix`` it splits no node, touches no access time and counts no
+    statistics: a scheduler peeking at every waiting prompt must not make the cache look
+    hotter than it is.
     """
-    ids = as_ids(ids)
-    tokens, page = ids.tolist(), cache.page_size
-    node, pos = cache.root, 0
-    while len(tokens) - pos >= page:
-        key = tokens[pos] if page == 1 else tuple(tokens[pos:pos + page])
-        child = node.children.get(key)
-        if child is None:
-            break
-        m = child.get_match_len(ids[pos:])
-        pos += m
-        if m < child.length:
-            break
-        node = child
-    return pos
+    return cache.peek_prefix_len(ids, salt=salt)
 
 
 def _tokens(prompt: Any) -> tuple[int, ...]:
@@ -175,7 +162,7 @@ class Scheduler:
         """Scheduling steps ``request`` has spent waiting (0 in the step it was first seen)."""
         return self.steps - 1 - self._first_seen.get(request, self.steps - 1)
 
-    def order(self, waiting: Iterable[Schedulable], cache: RadixCache | None = None) -> list:
+    def order(self, waiting: Iterable[Schedulable], cache: PrefixCache | None = None) -> list:
         """The waiting requests in the order this step should try to admit them."""
         reqs = list(waiting)
         step, self.steps = self.steps, self.steps + 1
@@ -186,9 +173,9 @@ class Scheduler:
         if policy in ("lpm", "dfs-weight") and cache is None:
             raise ScheduleError(f"policy {policy!r} reads the cache: pass it to order()")
         if policy == "lpm":
-            ordered = sorted(fcfs, key=lambda r: -cached_prefix_len(cache, r.prompt[:-1]))
+            ordered = sorted(fcfs, key=lambda r: -cached_prefix_len(cache, r.prompt[:-1], getattr(r, 'salt', None)))
         elif policy == "dfs-weight":
-            cached = [cached_prefix_len(cache, r.prompt[:-1]) for r in fcfs]
+            cached = [cached_prefix_len(cache, r.prompt[:-1], getattr(r, 'salt', None)) for r in fcfs]
             ordered = [fcfs[i] for i in dfs_weight_order(
                 [r.prompt for r in fcfs], cached, [r.arrival for r in fcfs])]
         elif policy == "lof":
@@ -240,7 +227,7 @@ def make_scheduler(schedule: str | Scheduler) -> Scheduler:
 
 
 def schedule_order(requests: Iterable[Schedulable], policy: str = "fcfs",
-                   cache: RadixCache | None = None) -> list:
+                   cache: PrefixCache | None = None) -> list:
     """Waiting requests in the order one scheduling step with ``policy`` tries them.
 
     Besides ``POLICIES``, ``"spf"`` (shortest-prefill-first) sorts by each request's
@@ -395,7 +382,7 @@ def simulate_schedule(requests: Sequence[SimRequest], capacity: int,
         step_admitted: list[SimRequest] = []
         budget, planned = token_budget, 0
         for r in sched.order(waiting, cache):
-            cached = cached_prefix_len(cache, r.prompt[:-1])
+            cached = cached_prefix_len(cache, r.prompt[:-1], getattr(r, 'salt', None))
             if sched.defers(r.prompt, cached, [a.prompt for a in step_admitted]):
                 continue
             uncached = r.prompt.numel() - cached

@@ -1,0 +1,201 @@
+"""Chapter 08 checkers: each accepts a right answer and rejects plausible wrong ones; a
+repeated failure adds a nudge."""
+
+from __future__ import annotations
+
+import pytest
+
+import minirt.checks as checks
+from minirt.checks import ch08
+
+# ---------------------------------------------------------------- Exercise 8.1
+
+
+def chain_right(tokens, bs, seed, hash_fn, salt=None):
+    out, parent = [], seed
+    for i in range(len(tokens) // bs):
+        extra = (("cache_salt", salt),) if i == 0 and salt is not None else None
+        parent = hash_fn((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        out.append(parent)
+    return out
+
+
+def chain_unchained(tokens, bs, seed, hash_fn, salt=None):  # every block hashed alone
+    return [hash_fn((seed, tuple(tokens[i * bs:(i + 1) * bs]),
+                     (("cache_salt", salt),) if i == 0 and salt is not None else None))
+            for i in range(len(tokens) // bs)]
+
+
+def chain_salt_everywhere(tokens, bs, seed, hash_fn, salt=None):  # salt on every block
+    out, parent = [], seed
+    for i in range(len(tokens) // bs):
+        extra = (("cache_salt", salt),) if salt is not None else None
+        parent = hash_fn((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        out.append(parent)
+    return out
+
+
+def chain_partial_block(tokens, bs, seed, hash_fn, salt=None):  # hashes the partial tail
+    out, parent = [], seed
+    for i in range(-(-len(tokens) // bs)):
+        extra = (("cache_salt", salt),) if i == 0 and salt is not None else None
+        parent = hash_fn((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        out.append(parent)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def fresh_counts():
+    ch08._failures.clear()
+    yield
+    ch08._failures.clear()
+
+
+def test_chain(capsys):
+    checks.check_chain_hashes(chain_right)
+    assert capsys.readouterr().out.startswith("Exercise 8.1 passed")
+    for wrong in (chain_unchained, chain_salt_everywhere, chain_partial_block):
+        with pytest.raises(AssertionError, match="chain_hashes"):
+            checks.check_chain_hashes(wrong)
+
+
+def test_hints_escalate():
+    with pytest.raises(AssertionError) as first:
+        checks.check_chain_hashes(chain_unchained)
+    assert "Nudge" not in str(first.value) and "block_size=" in str(first.value)
+    with pytest.raises(AssertionError) as second:
+        checks.check_chain_hashes(chain_unchained)
+    assert "Nudge" in str(second.value)
+
+
+# ---------------------------------------------------------------- Exercise 8.2
+
+
+def _common(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def hit_right(cached, prompt, bs):
+    ids = prompt[:-1]
+    return max((min(_common(p, ids), len(p) // bs * bs) // bs * bs for p in cached), default=0)
+
+
+def hit_whole_prompt(cached, prompt, bs):  # forgets that the last token is computed
+    return max((min(_common(p, prompt), len(p) // bs * bs) // bs * bs for p in cached),
+               default=0)
+
+
+def hit_token_level(cached, prompt, bs):  # counts tokens, like a radix cache of page 1
+    return max((_common(p, prompt[:-1]) for p in cached), default=0)
+
+
+def hit_blockwise(cached, prompt, bs):  # compares blocks alone, as if hashes did not chain
+    ids = prompt[:-1]
+    return max((bs * sum(p[i:i + bs] == ids[i:i + bs] for i in range(0, len(p) // bs * bs, bs))
+                for p in cached), default=0)
+
+
+def test_hit(capsys):
+    checks.check_hash_hit(hit_right)
+    assert capsys.readouterr().out.startswith("Exercise 8.2 passed")
+    for wrong in (hit_whole_prompt, hit_token_level, hit_blockwise):
+        with pytest.raises(AssertionError, match="hash_hit"):
+            checks.check_hash_hit(wrong)
+
+
+# ---------------------------------------------------------------- Exercise 8.3
+
+
+def queue_right(trace):
+    refs, queue = {}, []
+    for kind, _, blocks in trace:
+        if kind == "start":
+            for b in blocks:
+                if b in queue:
+                    queue.remove(b)
+                refs[b] = refs.get(b, 0) + 1
+        else:
+            for b in reversed(blocks):
+                refs[b] -= 1
+                if refs[b] == 0:
+                    queue.append(b)
+    return queue
+
+
+def queue_head_first(trace):  # frees a request's blocks first to last
+    return queue_right([(k, r, b if k == "start" else list(reversed(b))) for k, r, b in trace])
+
+
+def queue_no_refcount(trace):  # every release queues the block (dropping earlier entries)
+    queue = []
+    for kind, _, blocks in trace:
+        for b in (blocks if kind == "start" else reversed(blocks)):
+            if b in queue:
+                queue.remove(b)
+            if kind == "finish":
+                queue.append(b)
+    return queue
+
+
+def queue_no_revival(trace):  # a hit leaves the block where it was in the queue
+    refs, queue = {}, []
+    for kind, _, blocks in trace:
+        for b in (blocks if kind == "start" else reversed(blocks)):
+            refs[b] = refs.get(b, 0) + (1 if kind == "start" else -1)
+            if kind == "finish" and refs[b] == 0 and b not in queue:
+                queue.append(b)
+    return queue
+
+
+def test_queue(capsys):
+    checks.check_free_queue_order(queue_right)
+    assert capsys.readouterr().out.startswith("Exercise 8.3 passed")
+    for wrong in (queue_head_first, queue_no_refcount, queue_no_revival):
+        with pytest.raises(AssertionError, match="free_queue_order"):
+            checks.check_free_queue_order(wrong)
+
+
+# ---------------------------------------------------------------- Exercise 8.4
+
+
+def extract_right(probe, vocab, length):
+    filler, known = max(vocab) + 1, []
+    for _ in range(length):
+        times = {v: probe(known + [v, filler]) for v in vocab}
+        known.append(min(times, key=times.get))
+    return known
+
+
+def extract_no_filler(probe, vocab, length):  # the last token is never served from cache
+    known = []
+    for _ in range(length):
+        times = {v: probe(known + [v]) for v in vocab}
+        known.append(min(times, key=times.get))
+    return known
+
+
+def extract_filler_in_vocab(probe, vocab, length):  # its own probes fool the next guess
+    known = []
+    for _ in range(length):
+        times = {v: probe(known + [v, vocab[0]]) for v in vocab}
+        known.append(min(times, key=times.get))
+    return known
+
+
+def extract_slowest(probe, vocab, length):  # reads the timing backwards
+    filler, known = max(vocab) + 1, []
+    for _ in range(length):
+        times = {v: probe(known + [v, filler]) for v in vocab}
+        known.append(max(times, key=times.get))
+    return known
+
+
+def test_extract(capsys):
+    checks.check_extract_prompt(extract_right)
+    assert capsys.readouterr().out.startswith("Exercise 8.4 passed")
+    for wrong in (extract_no_filler, extract_filler_in_vocab, extract_slowest):
+        with pytest.raises(AssertionError, match="extract_prompt"):
+            checks.check_extract_prompt(wrong)
