@@ -79,6 +79,11 @@ def cached_prefix_len(cache: PrefixCache, ids: Any, salt: Any = None) -> int:
     return cache.peek_prefix_len(ids, salt=salt)
 
 
+def _peek(cache: PrefixCache, r: Any) -> int:
+    """A waiting request's cached prefix (all but its last token, as the engine matches)."""
+    return cached_prefix_len(cache, r.prompt[:-1], getattr(r, "salt", None))
+
+
 def _tokens(prompt: Any) -> tuple[int, ...]:
     return tuple(prompt.tolist() if isinstance(prompt, torch.Tensor) else map(int, prompt))
 
@@ -173,9 +178,9 @@ class Scheduler:
         if policy in ("lpm", "dfs-weight") and cache is None:
             raise ScheduleError(f"policy {policy!r} reads the cache: pass it to order()")
         if policy == "lpm":
-            ordered = sorted(fcfs, key=lambda r: -cached_prefix_len(cache, r.prompt[:-1], getattr(r, 'salt', None)))
+            ordered = sorted(fcfs, key=lambda r: -_peek(cache, r))
         elif policy == "dfs-weight":
-            cached = [cached_prefix_len(cache, r.prompt[:-1], getattr(r, 'salt', None)) for r in fcfs]
+            cached = [_peek(cache, r) for r in fcfs]
             ordered = [fcfs[i] for i in dfs_weight_order(
                 [r.prompt for r in fcfs], cached, [r.arrival for r in fcfs])]
         elif policy == "lof":
@@ -382,7 +387,7 @@ def simulate_schedule(requests: Sequence[SimRequest], capacity: int,
         step_admitted: list[SimRequest] = []
         budget, planned = token_budget, 0
         for r in sched.order(waiting, cache):
-            cached = cached_prefix_len(cache, r.prompt[:-1], getattr(r, 'salt', None))
+            cached = _peek(cache, r)
             if sched.defers(r.prompt, cached, [a.prompt for a in step_admitted]):
                 continue
             uncached = r.prompt.numel() - cached
