@@ -423,7 +423,7 @@ class Engine:
         """
         reserved = sum(j.final_slots - (j.lc.cached_len + int(j.lc.private.numel()))
                        for j in running)
-        pinned = sum(u.value.numel() for u in self.cache.held_by(match.handle)
+        pinned = sum(len(u.value) for u in self.cache.held_by(match.handle)
                      if u.ref_count == 0)
         need = job.final_slots - match.cached_len
         return need + pinned <= self.pool.num_free + self.cache.evictable_size - reserved

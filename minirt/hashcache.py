@@ -255,7 +255,7 @@ class HashCache:
         self._queries += 1
         self._query_tokens += ids.numel()
         self._hit_tokens += cached_len
-        return MatchResult(HashHandle(tuple(hits), cached_len), _slots(hits), cached_len)
+        return MatchResult(HashHandle(tuple(hits), cached_len), cached_len, _runs(_slots(hits)))
 
     def peek_prefix_len(self, ids: IdsLike, *, salt: Salt = None) -> int:
         """The length ``match_prefix`` would return, without counting statistics."""
@@ -308,7 +308,7 @@ class HashCache:
             self._by_hash.setdefault(block.block_hash, {})[block.block_id] = block
             self.free_queue[block.block_id] = block
         blocks = tuple(self._blocks[int(slots[i * b]) // b] for i in range(len(hashes)))
-        return InsertResult(cached_len, HashHandle(blocks, n), slots.clone())
+        return InsertResult(cached_len, HashHandle(blocks, n), _runs(slots.clone()))
 
     # ------------------------------------------------------------ lock and unlock
 
@@ -467,6 +467,11 @@ class HashCache:
         name = getattr(self.hash_fn, "__name__", "hash")
         return (f"HashCache(block_size={self.block_size}, hash_fn={name}, "
                 f"blocks={len(self._blocks)}, queued={len(self.free_queue)})")
+
+
+def _runs(slots: torch.Tensor) -> tuple[memoryview, ...]:
+    """A slot tensor as the result's runs (``Tokens``-style int64 views of its memory)."""
+    return (memoryview(slots.contiguous().numpy()).cast("B").cast("q"),) if slots.numel() else ()
 
 
 def _slots(blocks: Iterable[KVBlock]) -> torch.Tensor:
