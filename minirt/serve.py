@@ -567,10 +567,12 @@ async def _sse(worker: EngineWorker, stream: Stream, endpoint: str, ident: str,
         return f"data: {json.dumps(data)}\n\n"
 
     try:
-        if endpoint == "chat":
-            yield chunk("", None)
+        first = True
         while True:
             kind, value = await stream.events.get()
+            if first and endpoint == "chat":  # the role comes with the first token, as in vLLM
+                yield chunk("", None)
+            first = False
             if kind == "delta":
                 yield chunk(value, None)
             elif kind == "error":

@@ -5,6 +5,7 @@ minirt.replay against it. The server is one child process, stopped by its pid.""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -16,6 +17,7 @@ import torch
 
 from minirt.engine import Engine, Request
 from minirt.model import load_model
+from minirt.replay import arrival_times, main, replay
 from minirt.serve import TextDeltas, launch
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -196,3 +198,42 @@ def test_text_deltas_hold_back_stop_prefixes_and_partial_characters():
     d = TextDeltas(decode, ("cX",))
     assert [d.push(t) for t in (1, 5, 6, 2)] == ["ab", "", "é", ""]
     assert d.push(3) == "" and d.flush("abé") == ""  # the stop string is never sent
+
+
+def test_replay_chat_few_shot_and_jsonl_against_the_server(server, local, tmp_path, capsys):
+    _, tokenizer = local
+    report = replay(server.url, "chat", rate=0, conversations=2, turns=2, system_tokens=120,
+                    max_tokens=4, seed=5, tokenizer=tokenizer)
+    assert len(report.records) == 4 and not [r for r in report.records if r.error]
+    for r in report.records:
+        assert r.prompt_tokens == len(r.prompt_ids) and 0 < r.ttft <= r.latency
+    for c in (0, 1):
+        t1, t2 = (r for r in report.records if r.conversation == c)
+        assert t2.prompt_ids[:len(t1.prompt_ids)] == t1.prompt_ids
+        assert t2.cached_tokens >= len(t1.prompt_ids)  # the whole previous turn was cached
+    assert report.hit_rate == report.cached_tokens / report.prompt_tokens > 0.5
+    assert report.unique_bound == len(set(
+        tuple(r.prompt_ids[:k]) for r in report.records for k in range(1, len(r.prompt_ids) + 1)))
+
+    lines = [{"messages": chat("You answer in one word.", q), "max_tokens": 3}
+             for q in ("Sky colour?", "Grass colour?", "Snow colour?")]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    main(["--base-url", server.url, "--workload", str(path), "--rate", "20",
+          "--arrivals", "uniform", "--quiet"])
+    out = capsys.readouterr().out
+    assert "3 requests, 0 failed" in out and "unique-token bound" in out
+
+    shots = replay(server.url, "few-shot", rate=0, num_requests=4, max_tokens=2,
+                   tokenizer=tokenizer)
+    assert [r.prompt_tokens for r in shots.records] == [len(r.prompt_ids) for r in shots.records]
+    assert not [r for r in shots.records if r.error] and shots.cached_tokens > 0
+
+
+def test_arrival_times():
+    assert arrival_times(3, 0) == [0.0, 0.0, 0.0]
+    assert arrival_times(3, 2, "uniform") == [0.0, 0.5, 1.0]
+    t = arrival_times(2000, 4.0, seed=1)
+    assert t == sorted(t) and 2000 / t[-1] == pytest.approx(4.0, rel=0.1)
+    with pytest.raises(ValueError, match="poisson"):
+        arrival_times(2, 1.0, "bursty")
