@@ -12,3 +12,4 @@ from .ch03 import *  # noqa: F401,F403
 from .ch04 import *  # noqa: F401,F403
 from .ch05 import *  # noqa: F401,F403
 from .ch06 import *  # noqa: F401,F403
+from .ch06a import *  # noqa: F401,F403
