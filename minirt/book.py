@@ -29,7 +29,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     3: ("cache", "widgets"),
     4: ("pool", "lifecycle"),
     5: ("eviction", "simulate"),
-    6: ("engine",),
+    6: ("engine", "serve", "replay"),  # serve and replay: chapter 06a, part of chapter 6
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),
 }

@@ -1,7 +1,9 @@
 """A small serving engine: prefix-cached prefill and batched decode on a real model.
 
-``Engine.generate(requests)`` runs the chapter-04 lifecycle for a whole batch of
-requests, step by step, the way mini-sglang's scheduler loop does:
+The engine is online: ``Engine.submit(request)`` queues a request at any time (it
+returns a ``RequestHandle``), ``Engine.cancel(handle)`` drops one and frees what it
+held, and ``Engine.step()`` runs one scheduling step of the chapter-04 lifecycle for
+everything submitted so far, the way mini-sglang's scheduler loop does:
 
 1. *schedule*: waiting requests are admitted in the scheduler's order (first come,
    first served by default; ``schedule=`` picks a chapter-07 policy) while the step's
@@ -14,9 +16,11 @@ requests, step by step, the way mini-sglang's scheduler loop does:
 4. *decode*: one forward pass per step for every running request together;
 5. *finish*: insert prompt + output, unlock, free the tail that is not a whole page.
 
-With ``use_cache=False`` the same loop computes every prompt in full and caches
-nothing: the baseline the savings are measured against. ``cache="hash"`` runs the same
-loop on chapter 08's block-hash cache (vLLM's design) instead of the radix tree.
+``Engine.generate(requests)`` submits a list of requests (all arriving now) and steps
+until they are all done. With ``use_cache=False`` the same loop computes every prompt
+in full and caches nothing: the baseline the savings are measured against.
+``cache="hash"`` runs the same loop on chapter 08's block-hash cache (vLLM's design)
+instead of the radix tree.
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ __all__ = [
     "Engine",
     "GenerateResult",
     "Request",
+    "RequestHandle",
     "RequestMetrics",
     "RequestResult",
+    "StepOutput",
     "Totals",
     "chat_script",
     "sample_token",
@@ -69,6 +75,8 @@ class Request:
     is handed to the cache (the "priority" eviction policy keeps high values longest).
     ``stop_on_eos``: finish early when the model emits its end-of-sequence token.
     ``cache_salt``: only requests with the same salt share cached K/V (None: all share).
+    ``stop``: finish as soon as the decoded output contains one of these strings (the
+    result's text ends before it; needs a tokenizer).
     """
 
     prompt: Sequence[int] | torch.Tensor | None = None
@@ -79,13 +87,15 @@ class Request:
     seed: int | None = None
     priority: int = 0
     stop_on_eos: bool = True
+    stop: Sequence[str] = ()
     rid: str | None = None
     cache_salt: str | bytes | None = None
 
 
 @dataclass
 class RequestMetrics:
-    """Per-request measurements. Times in seconds from the ``generate`` call (arrival).
+    """Per-request measurements. Times in seconds from the request's own arrival
+    (its ``submit``; for ``generate``, the call).
 
     ``ttft``: arrival to first output token (queueing + its own prefill);
     ``prefill_time``: its own prefill forward pass alone; ``latency``: arrival to finish.
@@ -113,7 +123,7 @@ class RequestResult:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str = "rejected"  # "length", "eos" or "rejected"
+    finish_reason: str = "rejected"  # "length", "eos", "stop", "cancelled" or "rejected"
     metrics: RequestMetrics | None = None
     error: RequestError | None = None
 
@@ -125,7 +135,7 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class Totals:
-    """Workload totals over served requests.
+    """Workload totals over served requests (cancelled ones count from what they computed).
 
     ``hit_rate`` = cached / prompt tokens. ``unique_bound``: distinct prompt prefixes
     (chapter 03), the fewest prompt tokens any prefix cache computes when every
@@ -162,11 +172,11 @@ class Totals:
 def summarize(results: Sequence[RequestResult], evicted_tokens: int = 0,
               wall_time: float = 0.0) -> Totals:
     """Totals over ``results`` (any number of ``generate`` calls): tokens, hits, bound."""
-    served = [r for r in results if r.ok]
+    served = [r for r in results if r.metrics is not None]
     m = [r.metrics for r in served]
     return Totals(
         requests=len(results),
-        rejected=len(results) - len(served),
+        rejected=sum(not r.ok for r in results),
         prompt_tokens=sum(x.prompt_tokens for x in m),
         cached_tokens=sum(x.cached_tokens for x in m),
         computed_tokens=sum(x.computed_tokens for x in m),
@@ -226,15 +236,54 @@ class _CountingLifecycle(Lifecycle):
 
 
 @dataclass(eq=False)
-class _Job:
-    """A request being served: the client's request, the lifecycle's, and bookkeeping."""
+class RequestHandle:
+    """A submitted request, followed while it runs (``Engine.submit`` returns it).
 
-    index: int
+    ``status``: "waiting" (queued), "running" (prefilled, decoding), "finished" or
+    "cancelled". ``output_ids`` grows as steps produce tokens; ``result`` is complete
+    once ``done``. ``arrival`` (a ``time.perf_counter()`` value) is where its TTFT and
+    latency count from.
+    """
+
+    rid: str
     request: Request
-    lc: LifecycleRequest
-    final_slots: int            # slots it holds at most: pages(prompt + max_new - 1)
+    arrival: float
+    lc: LifecycleRequest = field(repr=False)
+    result: RequestResult = field(repr=False)
+    final_slots: int = 0        # slots it holds at most: pages(prompt + max_new - 1)
+    status: str = "waiting"
+    stopped: bool = False       # one of request.stop appeared in the output
     ttft: float = 0.0
     prefill_time: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        """Finished or cancelled: ``result`` will not change any more."""
+        return self.status in ("finished", "cancelled")
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The tokens generated so far."""
+        return list(self.lc.output)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens found in the cache at admission (0 while waiting)."""
+        return self.lc.reused_len
+
+
+@dataclass
+class StepOutput:
+    """What one ``Engine.step`` did: the tokens it produced, in order, as (rid, token),
+    the requests it admitted (and prefilled) and the requests that finished."""
+
+    tokens: list[tuple[str, int]] = field(default_factory=list)
+    admitted: list[RequestHandle] = field(default_factory=list)
+    finished: list[RequestHandle] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
 
 
 class Engine:
@@ -248,6 +297,8 @@ class Engine:
     ``minirt.scheduler.Scheduler``) orders the waiting queue before each admission step;
     the default "fcfs" admits in arrival order. ``cache``: "radix" (the tree, evicting by
     ``policy``) or "hash" (vLLM's hashed blocks of ``page_size`` tokens, free-queue order).
+    The engine is not thread-safe: one thread calls ``submit``, ``cancel`` and ``step``
+    (``minirt.serve`` runs it in one).
     """
 
     def __init__(self, model, tokenizer=None, capacity: int = 8192, page_size: int = 1,
@@ -268,6 +319,9 @@ class Engine:
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.eos_token_id = _eos_id(model, tokenizer)
         self._next_rid = 0
+        self._waiting: deque[RequestHandle] = deque()
+        self._running: list[RequestHandle] = []
+        self._live: dict[str, RequestHandle] = {}
 
     # ------------------------------------------------------------ requests
     def prompt_ids(self, request: Request) -> torch.Tensor:
@@ -324,6 +378,12 @@ class Engine:
         if request.seed is not None and (isinstance(request.seed, bool)
                                          or not isinstance(request.seed, int)):
             raise RequestError(f"seed must be an int or None, got {request.seed!r}")
+        stop = request.stop
+        if isinstance(stop, str) or not isinstance(stop, (list, tuple)) \
+                or not all(isinstance(x, str) and x for x in stop):
+            raise RequestError(f"stop must be a list of non-empty strings, got {stop!r}")
+        if stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer to decode the output")
         if self.max_positions and n + m > self.max_positions:
             raise RequestError(f"prompt ({n}) + max_new_tokens ({m}) exceeds the model's "
                                f"context of {self.max_positions} positions")
@@ -341,15 +401,101 @@ class Engine:
         self._next_rid += 1
         return f"q{self._next_rid}"
 
+    # ------------------------------------------------------------ online API
+    def submit(self, request: Request, *, arrival: float | None = None) -> RequestHandle:
+        """Queue ``request``; it runs from the next ``step`` on. Returns its handle.
+
+        Raises RequestError (nothing queued, nothing changed) if it is invalid.
+        ``arrival``: the ``time.perf_counter()`` its TTFT counts from (default: now).
+        """
+        rid = self._rid(request) if isinstance(request, Request) else "?"
+        return self._enqueue(request, rid, time.perf_counter() if arrival is None else arrival)
+
+    def _enqueue(self, request: Request, rid: str, arrival: float) -> RequestHandle:
+        ids = self.validate(request)
+        lc_req = self.lifecycle.new_request(
+            ids, request.max_new_tokens, rid=rid,
+            eos_token_id=self.eos_token_id if request.stop_on_eos else None,
+            next_token=self._sampler(request), salt=request.cache_salt)
+        ps = self.pool.page_size
+        final = -(-(ids.numel() + request.max_new_tokens - 1) // ps) * ps
+        job = RequestHandle(rid, request, arrival, lc_req,
+                            RequestResult(rid, request, prompt_ids=ids.tolist()), final)
+        self._waiting.append(job)
+        self._live[rid] = job
+        return job
+
+    def step(self, on_token: TokenCallback | None = None) -> StepOutput:
+        """One scheduling step: admit and prefill what fits, one decode step for every
+        running request, then finish those that are done.
+
+        Returns the tokens produced (also passed to ``on_token(rid, token)`` as they come)
+        and who was admitted and finished. Does nothing when no request is pending.
+        """
+        out = StepOutput()
+        self._admit_and_prefill(out, on_token)
+        batch = [j for j in self._running if not self._done(j)]
+        if batch:
+            self.lifecycle.decode([j.lc for j in batch])
+            for job in batch:
+                self._emit(job, out, on_token)
+            self._check()
+        for job in [j for j in self._running if self._done(j)]:
+            self._running.remove(job)
+            self._finish(job)
+            out.finished.append(job)
+        return out
+
+    def cancel(self, handle: RequestHandle | str) -> bool:
+        """Drop a waiting or running request: unlock its prefix, free its private slots.
+
+        What it already inserted into the tree (its prompt, at prefill) stays cached and
+        evictable. Returns False if it had already finished or been cancelled.
+        """
+        rid = handle.rid if isinstance(handle, RequestHandle) else handle
+        job = self._live.pop(rid, None)
+        if job is None:
+            if isinstance(handle, RequestHandle) and handle.done:
+                return False
+            raise RequestError(f"no request {rid!r} is waiting or running")
+        if job in self._waiting:
+            self._waiting.remove(job)
+        if job in self._running:
+            self._running.remove(job)
+        if job.lc.state in ("locked", "running"):
+            self.lifecycle.abort(job.lc)
+        self.lifecycle.requests.pop(rid, None)
+        job.status = "cancelled"
+        self._fill_result(job, "cancelled")
+        self._check()
+        return True
+
+    @property
+    def waiting(self) -> list[RequestHandle]:
+        """Submitted requests not admitted yet, in queue order."""
+        return list(self._waiting)
+
+    @property
+    def running(self) -> list[RequestHandle]:
+        """Admitted requests still decoding."""
+        return list(self._running)
+
+    @property
+    def has_work(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._waiting or self._running)
+
     # ------------------------------------------------------------ the loop
     def generate(self, requests: Sequence[Request] | Request, *, progress: bool = True,
                  on_token: TokenCallback | None = None) -> GenerateResult:
         """Serve ``requests`` (all arriving now) to completion; results in request order.
 
-        Invalid requests are rejected up front, one by one: their result carries the
-        RequestError (``result.ok`` is False) and the other requests are served exactly
-        as if the bad one had never been sent. ``on_token(rid, token_id)`` is called for
-        every generated token (streaming); ``progress`` shows a tqdm bar.
+        Submits them all, then steps until every one is done (requests submitted before
+        the call run alongside). Invalid requests are rejected up front, one by one:
+        their result carries the RequestError (``result.ok`` is False) and the others
+        are served exactly as if the bad one had never been sent. ``on_token(rid,
+        token_id)`` is called for every generated token (streaming); ``progress`` shows
+        a tqdm bar. An exception (say, Ctrl-C) cancels this call's requests.
         """
         from tqdm.auto import tqdm
 
@@ -358,44 +504,26 @@ class Engine:
         start = time.perf_counter()
         evicted_before = self.lifecycle.evicted_tokens
         results: list[RequestResult] = []
-        waiting: deque[_Job] = deque()
+        jobs: list[RequestHandle] = []
         for i, request in enumerate(requests):
             rid = self._rid(request) if isinstance(request, Request) else f"q-bad{i}"
-            result = RequestResult(rid, request)
-            results.append(result)
             try:
-                ids = self.validate(request)
-                result.prompt_ids = ids.tolist()
-                lc_req = self.lifecycle.new_request(
-                    ids, request.max_new_tokens, rid=rid,
-                    eos_token_id=self.eos_token_id if request.stop_on_eos else None,
-                    next_token=self._sampler(request), salt=request.cache_salt)
+                jobs.append(self._enqueue(request, rid, start))
+                results.append(jobs[-1].result)
             except RequestError as exc:
-                result.error = exc
-                continue
-            ps = self.pool.page_size
-            final = -(-(ids.numel() + request.max_new_tokens - 1) // ps) * ps
-            waiting.append(_Job(i, request, lc_req, final))
+                results.append(RequestResult(rid, request, error=exc))
 
-        running: list[_Job] = []
-        jobs = list(waiting)
-        bar = tqdm(total=len(waiting), desc="generate", unit="req", disable=not progress,
+        mine = set(map(id, jobs))
+        bar = tqdm(total=len(jobs), desc="generate", unit="req", disable=not progress,
                    leave=False)
         try:
-            while waiting or running:
-                self._admit_and_prefill(waiting, running, start, on_token)
-                batch = [j for j in running if not j.lc.done]
-                if batch:
-                    self.lifecycle.decode([j.lc for j in batch])
-                    for job in batch:
-                        self._emit(job, on_token)
-                    self._check()
-                for job in [j for j in running if j.lc.done]:
-                    running.remove(job)
-                    self._finish(job, results[job.index], start)
-                    bar.update(1)
+            while not all(j.done for j in jobs):
+                out = self.step(on_token)
+                bar.update(sum(id(j) in mine for j in out.finished))
         except BaseException:
-            self._abandon(jobs)  # an interrupt or a failing callback: give everything back
+            for job in jobs:  # an interrupt or a failing callback: give everything back
+                if not job.done:
+                    self.cancel(job)
             raise
         finally:
             bar.close()
@@ -403,7 +531,7 @@ class Engine:
                            time.perf_counter() - start)
         return GenerateResult(results, totals)
 
-    def _match(self, job: _Job) -> MatchResult:
+    def _match(self, job: RequestHandle) -> MatchResult:
         """Step 1: the cached prefix of all but the last prompt token.
 
         The last token is always computed: its logits are what the first output token
@@ -414,7 +542,8 @@ class Engine:
                                             salt=req.salt)
         return req.match
 
-    def _fits(self, job: _Job, match: MatchResult, running: Sequence[_Job]) -> bool:
+    def _fits(self, job: RequestHandle, match: MatchResult,
+              running: Sequence[RequestHandle]) -> bool:
         """Can the pool hold this request to its last token, next to what runs already?
 
         Every running request keeps a reservation for the slots its remaining decode
@@ -429,22 +558,24 @@ class Engine:
         return need + pinned <= self.pool.num_free + self.cache.evictable_size - reserved
 
     # ---- scheduling hook (chapter 07): order the queue, defer for in-batch sharing
-    def _schedule(self, waiting: deque[_Job]) -> None:
+    def _schedule(self, waiting: deque[RequestHandle]) -> None:
         """Reorder ``waiting`` in place as the scheduler says (FCFS keeps arrival order)."""
         by_request = {id(j.lc): j for j in waiting}
         ordered = self.scheduler.order([j.lc for j in waiting], self.cache)
         waiting.clear()
         waiting.extend(by_request[id(r)] for r in ordered)
 
-    def _defers(self, job: _Job, match: MatchResult, admitted: Sequence[_Job]) -> bool:
+    def _defers(self, job: RequestHandle, match: MatchResult,
+                admitted: Sequence[RequestHandle]) -> bool:
         """In-batch sharing: the scheduler lets ``job`` wait a step for a prefix in flight."""
         return self.scheduler.defers(job.lc.prompt, match.cached_len,
                                      [j.lc.prompt for j in admitted])
     # ---- end of the scheduling hook
 
-    def _admit_and_prefill(self, waiting: deque[_Job], running: list[_Job], start: float,
-                           on_token: TokenCallback | None) -> None:
-        """Steps 2-3: admit in queue order within the token budget and memory, prefill each."""
+    def _admit_and_prefill(self, out: StepOutput, on_token: TokenCallback | None) -> None:
+        """Steps 2-3: admit in the scheduler's order within the token budget and memory,
+        prefill each admitted request."""
+        waiting, running = self._waiting, self._running
         self._schedule(waiting)
         budget, admitted, deferred = self.token_budget, [], []
         while waiting:
@@ -458,7 +589,7 @@ class Engine:
                 break  # the head waits for the next step; nobody overtakes it
             if not self._fits(job, match, running):
                 if not running:  # pragma: no cover - validate() makes this impossible
-                    raise RequestError(f"{job.lc.rid} cannot fit in an idle pool")
+                    raise RequestError(f"{job.rid} cannot fit in an idle pool")
                 break
             waiting.popleft()
             budget = budget - uncached
@@ -466,15 +597,17 @@ class Engine:
             self.lifecycle.admit(job.lc)  # lock + allocate the gap (evicting if short)
             t = time.perf_counter()
             self.lifecycle.prefill(job.lc)
-            self._emit(job, on_token)
-            job.prefill_time = time.perf_counter() - t
-            job.ttft = time.perf_counter() - start
+            now = time.perf_counter()
+            job.prefill_time, job.ttft = now - t, now - job.arrival
             if self.use_cache:
                 handle = self.lifecycle.insert_running(job.lc)
                 if isinstance(self.cache, RadixCache):
                     for node in node_path(handle.node):  # locked now: safe to re-key
                         node.priority = max(node.priority, job.request.priority)
+            job.status = "running"
             running.append(job)
+            out.admitted.append(job)
+            self._emit(job, out, on_token)
             self._check()
             if budget <= 0:
                 break
@@ -490,13 +623,21 @@ class Engine:
         return partial(sample_token, temperature=request.temperature, top_k=request.top_k,
                        generator=generator)
 
-    @staticmethod
-    def _emit(job: _Job, on_token: TokenCallback | None) -> None:
-        """Stream the token the lifecycle just appended."""
+    def _emit(self, job: RequestHandle, out: StepOutput,
+              on_token: TokenCallback | None) -> None:
+        """Report (and stream) the token the lifecycle just appended; watch for stop strings."""
+        token = job.lc.output[-1]
+        out.tokens.append((job.rid, token))
+        if job.request.stop and not job.stopped:
+            text = self.tokenizer.decode(job.lc.output, skip_special_tokens=True)
+            job.stopped = any(s in text for s in job.request.stop)
         if on_token is not None:
-            on_token(job.lc.rid, job.lc.output[-1])
+            on_token(job.rid, token)
 
-    def _finish(self, job: _Job, result: RequestResult, start: float) -> None:
+    def _done(self, job: RequestHandle) -> bool:
+        return job.lc.done or job.stopped
+
+    def _finish(self, job: RequestHandle) -> None:
         """Step 5: cache prompt + output and unlock (or, without the cache, just free)."""
         req = job.lc
         if self.use_cache:
@@ -504,26 +645,26 @@ class Engine:
         else:
             self.lifecycle.abort(req)
         self.lifecycle.requests.pop(req.rid, None)
+        self._live.pop(job.rid, None)
         self._check()
-        result.output_ids = list(req.output)
         eos = req.eos_token_id is not None and req.output[-1] == req.eos_token_id
-        result.finish_reason = "eos" if eos else "length"
+        job.status = "finished"
+        self._fill_result(job, "stop" if job.stopped else "eos" if eos else "length")
+
+    def _fill_result(self, job: RequestHandle, finish_reason: str) -> None:
+        """The handle's final result: tokens, text (cut before a stop string), metrics."""
+        req, result = job.lc, job.result
+        result.output_ids = list(req.output)
+        result.finish_reason = finish_reason
         if self.tokenizer is not None:
-            result.text = self.tokenizer.decode(req.output, skip_special_tokens=True)
-        result.metrics = RequestMetrics(
-            prompt_tokens=int(req.prompt.numel()), cached_tokens=req.reused_len,
-            output_tokens=len(req.output), ttft=job.ttft, prefill_time=job.prefill_time,
-            latency=time.perf_counter() - start)
-
-    def _abandon(self, jobs: Sequence[_Job]) -> None:
-        """Drop unfinished jobs without caching them: unlock, free their slots, forget them.
-
-        Leaves the engine as usable as before the call (nothing locked, nothing leaked).
-        """
-        for job in jobs:
-            if job.lc.state in ("locked", "running"):
-                self.lifecycle.abort(job.lc)
-            self.lifecycle.requests.pop(job.lc.rid, None)
+            text = self.tokenizer.decode(req.output, skip_special_tokens=True)
+            cuts = [text.find(s) for s in job.request.stop if s in text]
+            result.text = text[:min(cuts)] if cuts else text
+        if req.output:  # prefilled: it has metrics (a cancelled waiting request has none)
+            result.metrics = RequestMetrics(
+                prompt_tokens=int(req.prompt.numel()), cached_tokens=req.reused_len,
+                output_tokens=len(req.output), ttft=job.ttft,
+                prefill_time=job.prefill_time, latency=time.perf_counter() - job.arrival)
 
     def _check(self) -> None:
         if self.check:

@@ -122,3 +122,10 @@ def test_check_mode_detects_stale_and_orphan_exercises(tmp_path, capsys):
 
 def test_repository_exercises_are_up_to_date():
     assert mx.main(["--check"]) == 0
+
+
+def test_chapter_labels_include_parts_of_a_chapter():
+    assert mx.chapter_number(Path("06_engine.ipynb")) == "6"
+    assert mx.chapter_number(Path("06a_online.ipynb")) == "6a"
+    with pytest.raises(ValueError, match="NN_name"):
+        mx.chapter_number(Path("online.ipynb"))

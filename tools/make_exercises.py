@@ -25,14 +25,14 @@ BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 ROOT = Path(__file__).resolve().parent.parent
 MARKDOWN_STUB = "*Your answer here.*"
-HEADING = re.compile(r"^#+\s*Exercise\s+(\d+\.\d+)\b", re.MULTILINE)
+HEADING = re.compile(r"^#+\s*Exercise\s+(\d+[a-z]?\.\d+)\b", re.MULTILINE)
 
 
 class MarkerError(ValueError):
     """Unbalanced or nested solution markers."""
 
 
-def strip_regions(source: str, chapter: int, counter: list[int], markdown: bool = False,
+def strip_regions(source: str, chapter: int | str, counter: list[int], markdown: bool = False,
                   label: str | None = None) -> str:
     """Replace each solution region of ``source``; stubs say ``Exercise {label}``.
 
@@ -63,7 +63,7 @@ def strip_regions(source: str, chapter: int, counter: list[int], markdown: bool 
     return "\n".join(out)
 
 
-def make_exercise(solution: nbformat.NotebookNode, chapter: int) -> nbformat.NotebookNode:
+def make_exercise(solution: nbformat.NotebookNode, chapter: int | str) -> nbformat.NotebookNode:
     """The exercise notebook for one solution notebook."""
     nb = copy.deepcopy(solution)
     counter = [0]
@@ -85,11 +85,13 @@ def make_exercise(solution: nbformat.NotebookNode, chapter: int) -> nbformat.Not
     return nb
 
 
-def chapter_number(path: Path) -> int:
-    match = re.match(r"(\d+)_", path.name)
+def chapter_number(path: Path) -> str:
+    """The chapter as exercises number it: "6" for 06_engine, "6a" for 06a_online."""
+    match = re.match(r"(\d+)([a-z]?)_", path.name)
     if not match:
-        raise ValueError(f"{path.name}: solution notebooks are named NN_name.ipynb")
-    return int(match.group(1))
+        raise ValueError(f"{path.name}: solution notebooks are named NN_name.ipynb "
+                         "(or NNa_name.ipynb for a part of chapter NN)")
+    return f"{int(match.group(1))}{match.group(2)}"
 
 
 def render(solution_path: Path) -> str:

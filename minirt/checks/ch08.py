@@ -76,8 +76,8 @@ def check_chain_hashes(chain_hashes: Callable) -> None:
                f"differ from the expected {len(expected)} (first expected "
                f"{expected[0].hex()[:12] if expected else 'none'}): each block is "
                "hash_fn((parent_hash, tuple(block_tokens), extra_keys)), the first parent is "
-               "the seed, extra_keys is (('cache_salt', salt),) on the first block when salted "
-               "and None otherwise.")
+               "the cache's random `seed`, extra_keys is (('cache_salt', salt),) on the first "
+               "block when salted and None otherwise.")
     passed("8.1", "your chain matches minirt.hashcache.block_hashes on "
                   f"{len(CHAIN_CASES)} prompts")
 

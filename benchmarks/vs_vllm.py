@@ -1,0 +1,308 @@
+"""The same prompts through vLLM (its CPU build) and minirt, side by side, in one run.
+
+    make peer-vllm                      # builds .venv-vllm once, then runs this script
+    python benchmarks/vs_vllm.py        # if .venv-vllm exists already
+    python benchmarks/vs_vllm.py --reps 7 --skip-servers
+
+1. Offline, on token-id prompts: a 1,000-token shared prefix followed by 64-token
+   suffixes. Each round empties the cache, sends one prompt (cold) and then another with
+   the same prefix and a new suffix (warm); rounds repeat ``--reps`` times, so cold and
+   warm runs interleave. Four configurations: vLLM with prefix caching on and off
+   (``LLM(...)``, ``enforce_eager``, float32), minirt's ``Engine`` with pages of 128
+   tokens (vLLM's CPU block size) and of 1 token. For each: cached tokens per request,
+   median cold and warm TTFT, warm/cold, and whether the greedy tokens equal vLLM's
+   without caching (vLLM's ``ignore_eos``, minirt's ``stop_on_eos=False``).
+2. The chat workload (chapter 03's support-desk conversations, canned replies, as token
+   ids), one request after another through the same four: cached tokens per request.
+   minirt at page 128 must cache exactly what vLLM caches, request by request, in 1 and
+   2: the script exits 1 if not.
+3. Servers: vLLM's OpenAI server (``--enable-prompt-tokens-details``) and
+   ``minirt.serve`` (pages of 128 and of 1), each replayed with ``minirt.replay`` on the
+   chat workload with the model's own answers: cached tokens and TTFT.
+
+vLLM runs in its own virtual environment (``.venv-vllm``, see the Makefile): its
+transformers pin conflicts with minirt's. This file is also its worker (``--vllm-worker``),
+so it imports nothing outside the standard library at the top. Timings on a shared
+machine are noisy; the load average is printed beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+MODEL_NAME = "SmolLM2-135M-Instruct"
+PREFIX, SUFFIX, BLOCK = 1000, 64, 128
+
+
+# ---------------------------------------------------------------- the protocol (both venvs)
+
+
+def protocol(run, reset, spec: dict) -> dict:
+    """Run the shared-prefix rounds and the chat sequence through ``run(ids, n)``, which
+    returns (output ids, cached tokens, ttft seconds); ``reset()`` empties the cache."""
+    n = spec["max_tokens"]
+    run(spec["warmup"], n)  # first-call costs (allocations, kernels) are not measured
+    rounds = []
+    prefix = spec["prefix"]
+    for r in range(spec["reps"]):
+        reset()
+        cold = run(prefix + spec["suffixes"][2 * r], n)
+        warm = run(prefix + spec["suffixes"][2 * r + 1], n)
+        rounds.append({"cold": cold, "warm": warm})
+    reset()
+    chat = [run(ids, n) for ids in spec["chat"]]
+    return {"rounds": rounds, "chat": chat}
+
+
+def vllm_worker(spec_path: str, out_path: str, caching: bool) -> None:
+    """Inside .venv-vllm: vLLM's offline ``LLM`` through the protocol."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = LLM(model=spec["model_path"], dtype="float32", enforce_eager=True,
+              enable_prefix_caching=caching, disable_log_stats=False,
+              max_model_len=4096, seed=0)
+
+    def run(ids, n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        ttft = out.metrics.first_token_latency
+        return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0), float(ttft)
+
+    result = protocol(run, llm.reset_prefix_cache, spec)
+    Path(out_path).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------- minirt side
+
+
+def minirt_offline(model, page_size: int, spec: dict) -> dict:
+    from minirt.engine import Engine, Request
+
+    engine = Engine(model, capacity=16384, page_size=page_size)
+
+    def run(ids, n):
+        r = engine.generate([Request(prompt=ids, max_new_tokens=n, stop_on_eos=False)],
+                            progress=False)[0]
+        return r.output_ids, r.metrics.cached_tokens, r.metrics.ttft
+
+    return protocol(run, engine.flush, spec)
+
+
+def build_spec(tokenizer, reps: int, max_tokens: int, model_path: str) -> dict:
+    """Token ids both sides use: a 1,000-token prefix, 64-token suffixes, the chat prompts."""
+    from minirt.workloads import multi_turn_chat, rag, support_chats
+
+    system = support_chats(tokenizer, 1, 1, system_tokens=PREFIX + 50).system
+    prefix = tokenizer(system, add_special_tokens=False)["input_ids"][:PREFIX]
+    text = " ".join(rag(tokenizer, num_documents=6, num_requests=24, sentences=12).texts)
+    pool = tokenizer(text, add_special_tokens=False)["input_ids"]
+    suffixes = [pool[i * SUFFIX:(i + 1) * SUFFIX] for i in range(2 * reps)]
+    assert len(prefix) == PREFIX and all(len(s) == SUFFIX for s in suffixes)
+    chat = multi_turn_chat(tokenizer, num_conversations=2, turns=3, system_tokens=500)
+    return {"model_path": model_path, "reps": reps, "max_tokens": max_tokens,
+            "prefix": prefix, "suffixes": suffixes, "chat": chat.requests,
+            "warmup": pool[-200:]}
+
+
+def run_vllm_offline(spec_file: Path, caching: bool) -> dict:
+    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    cmd = [str(VLLM_PYTHON), __file__, "--vllm-worker", str(spec_file), str(out),
+           "on" if caching else "off"]
+    log = Path(tempfile.mkstemp(prefix="vllm-offline-", suffix=".log")[1])
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, env={**os.environ, **VLLM_ENV}, stdout=f,
+                            stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        sys.exit(f"vLLM worker failed ({rc}); its log: {log}\n{log.read_text()[-3000:]}")
+    return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------- servers
+
+
+def start_vllm_server(model_path: str) -> tuple[subprocess.Popen, str, Path]:
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+           "--served-model-name", MODEL_NAME, "--dtype", "float32", "--enforce-eager",
+           "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len",
+           "4096", "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env={**os.environ, **VLLM_ENV}, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"vLLM server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}/v1", log
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_group(proc)
+    sys.exit(f"vLLM server not ready after 900 s:\n{log.read_text()[-3000:]}")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the server we started (its own process group: it spawns workers), then KILL."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+# ---------------------------------------------------------------- report
+
+
+def median(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def cached_list(res: dict, part: str) -> list[int]:
+    """Cached tokens per request, in the order sent."""
+    if part == "rounds":
+        return [x[1] for r in res["rounds"] for x in (r["cold"], r["warm"])]
+    return [x[1] for x in res["chat"]]
+
+
+def offline_tables(results: dict[str, dict]) -> tuple[str, list[str]]:
+    ref = results["vLLM, caching off"]
+    ref_out = [x[0] for r in ref["rounds"] for x in (r["cold"], r["warm"])] + \
+        [x[0] for x in ref["chat"]]
+    lines = [f"{'configuration':<24} {'cached cold/warm':>16} {'TTFT cold s':>11} "
+             f"{'TTFT warm s':>11} {'warm/cold':>9}  {'chat cached tokens (per request)':<34} "
+             f"same tokens"]
+    for name, res in results.items():
+        cold = [r["cold"] for r in res["rounds"]]
+        warm = [r["warm"] for r in res["rounds"]]
+        cc = sorted({x[1] for x in cold})
+        cw = sorted({x[1] for x in warm})
+        tc, tw = median([x[2] for x in cold]), median([x[2] for x in warm])
+        outs = [x[0] for r in res["rounds"] for x in (r["cold"], r["warm"])] + \
+            [x[0] for x in res["chat"]]
+        same = sum(a == b for a, b in zip(outs, ref_out, strict=True))
+        chat = [x[1] for x in res["chat"]]
+        lines.append(f"{name:<24} {'/'.join(map(str, cc)) + ' / ' + '/'.join(map(str, cw)):>16} "
+                     f"{tc:>11.3f} {tw:>11.3f} {tw / tc:>9.2f}  {str(chat):<34} "
+                     f"{same}/{len(outs)}")
+    problems = []
+    on, m128 = results["vLLM, caching on"], results["minirt, page 128"]
+    for part in ("rounds", "chat"):
+        a, b = cached_list(on, part), cached_list(m128, part)
+        if a != b:
+            problems.append(f"{part}: vLLM cached {a} but minirt (page 128) cached {b}")
+    return "\n".join(lines), problems
+
+
+def server_table(reports: dict) -> str:
+    lines = [f"{'server':<24} {'requests':>8} {'prompt':>7} {'cached':>7} {'hit rate':>8} "
+             f"{'TTFT median s':>13} {'latency median s':>16}  cached per request"]
+    for name, rep in reports.items():
+        ok = rep.ok
+        lines.append(f"{name:<24} {len(ok):>8} {rep.prompt_tokens:>7} {rep.cached_tokens:>7} "
+                     f"{rep.hit_rate:>8.3f} {median([r.ttft for r in ok]):>13.3f} "
+                     f"{median([r.latency for r in ok]):>16.3f}  "
+                     f"{[r.cached_tokens for r in rep.records]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=5, help="cold/warm rounds (medians)")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--skip-servers", action="store_true")
+    p.add_argument("--vllm-worker", nargs=3, metavar=("SPEC", "OUT", "CACHING"),
+                   help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.vllm_worker:
+        spec, out, caching = args.vllm_worker
+        vllm_worker(spec, out, caching == "on")
+        return
+    if not VLLM_PYTHON.exists():
+        sys.exit(f"{VLLM_PYTHON} is missing: run `make peer-vllm` (it builds .venv-vllm)")
+
+    import torch
+
+    from minirt.model import load_model
+    from minirt.replay import replay
+    from minirt.serve import launch
+
+    model, tokenizer = load_model(dtype=torch.float32)
+    model_path = str(model.name_or_path)
+    spec = build_spec(tokenizer, args.reps, args.max_tokens, model_path)
+    spec_file = Path(tempfile.mkstemp(suffix=".json")[1])
+    spec_file.write_text(json.dumps(spec))
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+          f"{args.reps} cold/warm rounds; prompts {PREFIX} + {SUFFIX} tokens; "
+          f"{len(spec['chat'])} chat requests; {args.max_tokens} output tokens each",
+          flush=True)
+
+    results = {}
+    for caching in (True, False):
+        t = time.perf_counter()
+        results[f"vLLM, caching {'on' if caching else 'off'}"] = run_vllm_offline(spec_file,
+                                                                                  caching)
+        print(f"  vLLM caching {'on' if caching else 'off'}: {time.perf_counter() - t:.0f} s "
+              "(start-up included)", flush=True)
+    for page in (BLOCK, 1):
+        results[f"minirt, page {page}"] = minirt_offline(model, page, spec)
+    results = {k: results[k] for k in ("vLLM, caching on", "vLLM, caching off",
+                                       "minirt, page 128", "minirt, page 1")}
+    table, problems = offline_tables(results)
+    print(f"\n1-2. Offline, same token ids (load average now {os.getloadavg()[0]:.1f}):")
+    print(table)
+
+    if not args.skip_servers:
+        del model
+        reports = {}
+        chat_args = {"rate": 0.5, "conversations": 2, "turns": 3, "system_tokens": 500,
+                     "max_tokens": args.max_tokens, "ignore_eos": True,
+                     "tokenizer": tokenizer}
+        proc, url, _ = start_vllm_server(model_path)
+        try:
+            reports["vLLM server"] = replay(url, "chat", **chat_args)
+        finally:
+            stop_group(proc)
+        for page in (BLOCK, 1):
+            with launch("--page-size", str(page), "--capacity", "16384") as srv:
+                reports[f"minirt.serve, page {page}"] = replay(srv.url, "chat", **chat_args)
+        print(f"\n3. Servers, minirt.replay chat (2 conversations x 3 turns, 0.5 conversations/s, "
+              f"the model's own answers; load average now {os.getloadavg()[0]:.1f}):")
+        print(server_table(reports))
+        texts = {name: [r.text for r in rep.records] for name, rep in reports.items()}
+        print("answers identical across servers:", len({json.dumps(t) for t in texts.values()})
+              == 1)
+    if problems:
+        print("\nFAIL: minirt at page 128 does not cache what vLLM caches:\n  "
+              + "\n  ".join(problems))
+        sys.exit(1)
+    print("\nminirt at page 128 cached exactly the tokens vLLM cached, request by request.")
+
+
+if __name__ == "__main__":
+    main()

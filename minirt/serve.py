@@ -1,0 +1,721 @@
+"""An OpenAI-compatible HTTP server over minirt's online engine. A teaching server.
+
+    python -m minirt.serve [--port 8000] [--host 127.0.0.1] [--model NAME]
+                           [--capacity 8192] [--page-size 1] [--token-budget 2048]
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(with and without ``stream``), ``GET /metrics`` (Prometheus text: prefix-cache hit and
+query tokens, requests, slots), ``GET /health`` and ``GET /get_model_info`` (what
+SGLang's router asks a replica). Requests take ``max_tokens``, ``temperature``,
+``top_k``, ``seed``, ``stop``, ``ignore_eos`` and ``stream_options.include_usage``;
+``usage`` carries ``prompt_tokens_details.cached_tokens`` as vLLM reports it. Unknown
+fields are ignored (a router adds its own); known OpenAI fields whose effect minirt
+does not implement (``n`` > 1, ``logprobs``, ``top_p`` < 1, penalties, tools, ...) get
+HTTP 400 instead of being silently dropped.
+
+One background thread owns the ``Engine`` and runs ``step()`` while any request is
+pending; HTTP handlers hand it requests and cancellations through a queue, and it
+streams text back as tokens are produced. A bad request gets 400 with an OpenAI-style
+error body and the others are unaffected; a client that disconnects mid-request
+cancels it, which frees its pool slots.
+
+What it does not do: authentication, TLS, more than one model, several prompts or
+choices per request, log-probabilities, tool calls, structured output, rate limits,
+request timeouts, or protection against a client that asks for the whole pool. Put it
+on 127.0.0.1 (the default) and use vLLM or SGLang for anything real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from .engine import Engine, Request, RequestResult
+from .errors import MinirtError, RequestError
+
+__all__ = ["EngineWorker", "ServerProcess", "TextDeltas", "build_app", "launch", "main"]
+
+DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
+
+# OpenAI request fields minirt knows but does not implement: allowed only at their neutral
+# value (or null), so that a client relying on them hears so instead of getting other output.
+NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False, 0),
+           "top_logprobs": (0,), "top_p": (1, 1.0), "presence_penalty": (0, 0.0),
+           "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "suffix": ("",),
+           "tools": ([],), "functions": ([],), "logit_bias": ({},),
+           "response_format": ({"type": "text"},)}
+
+
+class BadRequest(RequestError):
+    """A request body the server cannot turn into an engine request (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: int = 400) -> dict:
+    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------- streaming text
+
+
+class TextDeltas:
+    """Turns a growing list of tokens into text pieces that are safe to send now.
+
+    Holds back an incomplete UTF-8 character (the tokenizer shows it as U+FFFD) and any
+    tail that could be the start of a stop string, and never sends a stop string itself.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()) -> None:
+        self.decode, self.stop = decode, stop
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def _safe_end(self, text: str) -> int:
+        cuts = [text.find(s) for s in self.stop if s in text]
+        if cuts:
+            return min(cuts)
+        end = len(text)
+        if text.endswith("\ufffd"):
+            end -= 1
+        for s in self.stop:  # a tail that might grow into a stop string waits
+            for k in range(min(len(s) - 1, end), 0, -1):
+                if text[end - k:end] == s[:k]:
+                    end -= k
+                    break
+        return end
+
+    def push(self, token: int) -> str:
+        """The text that ``token`` makes safe to send (maybe empty)."""
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        end = self._safe_end(text)
+        piece, self.sent = text[self.sent:end], max(self.sent, end)
+        return piece
+
+    def flush(self, final_text: str) -> str:
+        """What remains of the final (stop-trimmed) text once the request is done."""
+        piece, self.sent = final_text[self.sent:], len(final_text)
+        return piece
+
+
+# ---------------------------------------------------------------- the engine thread
+
+
+@dataclass(eq=False)
+class Stream:
+    """One HTTP request's view of its engine request: events arrive on ``events``.
+
+    Events: ``("delta", text)`` while it runs, then ``("done", RequestResult)`` or
+    ``("error", message)``.
+    """
+
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    rid: str = ""
+    deltas: TextDeltas | None = None
+    finished: bool = False
+
+    def put(self, event: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class EngineWorker:
+    """Runs an ``Engine`` in one background thread; everything else talks to it by queue.
+
+    The engine (and the tokenizer) are only ever touched by this thread, so nothing in
+    minirt needs locks. Counters for ``/metrics`` are plain ints it updates.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.inbox: queue.Queue = queue.Queue()
+        self.streams: dict[str, Stream] = {}
+        self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
+                         "finished": 0, "cancelled": 0, "rejected": 0, "failed": 0}
+        self.gauges = {"running": 0, "waiting": 0, **engine.lifecycle.counters()}
+        self.ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="minirt-engine", daemon=True)
+
+    def start(self) -> EngineWorker:
+        self._thread.start()
+        self.ready.wait()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("wake",))
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self.ready.is_set() and self._thread.is_alive() and not self._stop.is_set()
+
+    # -------------------------------------------------- called from the event loop
+    async def submit(self, build: Callable[[], Request], arrival: float,
+                     stop: tuple[str, ...] = ()) -> Stream:
+        """Queue a request (``build`` runs on the engine thread, where the tokenizer lives).
+
+        Raises RequestError if the engine rejects it.
+        """
+        loop = asyncio.get_running_loop()
+        stream = Stream(loop)
+        accepted = loop.create_future()
+        self.inbox.put(("submit", build, arrival, stop, stream, accepted))
+        await accepted
+        return stream
+
+    def cancel(self, stream: Stream) -> None:
+        """Cancel ``stream``'s request if it is still pending (safe to call twice)."""
+        if not stream.finished:
+            self.inbox.put(("cancel", stream.rid))
+
+    # -------------------------------------------------- the engine thread
+    def _reply(self, future: asyncio.Future, error: BaseException | None) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+        future.get_loop().call_soon_threadsafe(settle)
+
+    def _command(self, cmd: tuple) -> None:
+        if cmd[0] == "submit":
+            _, build, arrival, stop, stream, accepted = cmd
+            try:
+                handle = self.engine.submit(build(), arrival=arrival)
+            except RequestError as exc:
+                self.counters["rejected"] += 1
+                self._reply(accepted, exc)
+                return
+            except Exception as exc:  # a tokenizer or template failure we did not foresee
+                self.counters["rejected"] += 1
+                self._reply(accepted, RequestError(f"{type(exc).__name__}: {exc}"))
+                return
+            stream.rid = handle.rid
+            stream.deltas = TextDeltas(self._decode, stop)
+            self.streams[handle.rid] = stream
+            self._reply(accepted, None)
+        elif cmd[0] == "cancel":
+            stream = self.streams.pop(cmd[1], None)
+            if stream is not None and not stream.finished:
+                stream.finished = True
+                self.engine.cancel(cmd[1])
+                self.counters["cancelled"] += 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _on_token(self, rid: str, token: int) -> None:
+        self.counters["generation_tokens"] += 1
+        stream = self.streams.get(rid)
+        if stream is not None:
+            piece = stream.deltas.push(token)
+            if piece:
+                stream.put(("delta", piece))
+
+    def _done(self, result: RequestResult) -> None:
+        stream = self.streams.pop(result.rid, None)
+        self.counters["finished"] += 1
+        if stream is not None:
+            stream.finished = True
+            piece = stream.deltas.flush(result.text)
+            if piece:
+                stream.put(("delta", piece))
+            stream.put(("done", result))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """An engine step raised: tell every client (HTTP 500 / an error event), drop all."""
+        for rid, stream in list(self.streams.items()):
+            stream.finished = True
+            stream.put(("error", f"engine failure: {type(exc).__name__}: {exc}"))
+            try:
+                self.engine.cancel(rid)
+            except MinirtError:
+                pass
+            self.counters["failed"] += 1
+        self.streams.clear()
+
+    def _run(self) -> None:
+        self.ready.set()
+        while not self._stop.is_set():
+            commands = []
+            try:
+                if not self.engine.has_work:
+                    commands.append(self.inbox.get(timeout=0.5))
+                while True:
+                    commands.append(self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            for cmd in commands:
+                self._command(cmd)
+            if self.engine.has_work:
+                try:
+                    out = self.engine.step(on_token=self._on_token)
+                except Exception as exc:  # pragma: no cover - a bug, not a bad request
+                    self._fail_all(exc)
+                    continue
+                for handle in out.admitted:
+                    self.counters["prompt_tokens"] += int(handle.lc.prompt.numel())
+                    self.counters["cached_tokens"] += handle.cached_tokens
+                for handle in out.finished:
+                    self._done(handle.result)
+            self.gauges = {"running": len(self.engine.running),
+                           "waiting": len(self.engine.waiting),
+                           **self.engine.lifecycle.counters()}
+
+    def metrics_text(self) -> str:
+        """The counters in Prometheus' text exposition format."""
+        c, g = dict(self.counters), dict(self.gauges)
+        lines = []
+
+        def metric(name: str, kind: str, doc: str, samples: list[tuple[str, int]]) -> None:
+            lines.extend([f"# HELP minirt_{name} {doc}", f"# TYPE minirt_{name} {kind}"])
+            lines.extend(f"minirt_{name}{labels} {value}" for labels, value in samples)
+
+        metric("prefix_cache_queries_total", "counter",
+               "Prompt tokens of admitted requests (looked up in the prefix cache).",
+               [("", c["prompt_tokens"])])
+        metric("prefix_cache_hits_total", "counter",
+               "Prompt tokens found in the prefix cache at admission.",
+               [("", c["cached_tokens"])])
+        metric("generation_tokens_total", "counter", "Tokens generated.",
+               [("", c["generation_tokens"])])
+        metric("requests_total", "counter", "Requests by outcome.",
+               [(f'{{outcome="{k}"}}', c[k])
+                for k in ("finished", "cancelled", "rejected", "failed")])
+        metric("requests", "gauge", "Requests in the engine now.",
+               [('{state="running"}', g["running"]), ('{state="waiting"}', g["waiting"])])
+        metric("kv_slots", "gauge", "KV pool slots by owner.",
+               [(f'{{owner="{k}"}}', g[k]) for k in ("free", "evictable", "protected",
+                                                      "private")])
+        return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- request parsing
+
+
+def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok_types = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, ok_types):
+        raise BadRequest(f"'{name}' must be {'a number' if kind is float else 'an integer'}, "
+                         f"got {value!r}", name)
+    if low is not None and value < low:
+        raise BadRequest(f"'{name}' must be >= {low}, got {value!r}", name)
+    return kind(value)
+
+
+def sampling_options(body: dict, endpoint: str) -> dict:
+    """The engine ``Request`` fields that the body's sampling parameters ask for."""
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise BadRequest(f"minirt.serve does not support '{name}' = {body[name]!r} "
+                             f"(only {neutral[0]!r})", name)
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None and endpoint == "chat":
+        max_tokens = body.get("max_completion_tokens")
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens",
+                         DEFAULT_MAX_TOKENS[endpoint], int, 1)
+    temperature = _number(body, "temperature", 1.0, float, 0)
+    top_k = _number(body, "top_k", 0, int, -1)
+    seed = _number(body, "seed", None, int)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"'stop' must be a string or a list of non-empty strings, got "
+                         f"{body.get('stop')!r}", "stop")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest(f"'ignore_eos' must be a boolean, got {ignore_eos!r}", "ignore_eos")
+    return {"max_new_tokens": max_tokens, "temperature": temperature,
+            "top_k": max(top_k, 0), "seed": seed, "stop": tuple(stop),
+            "stop_on_eos": not ignore_eos}
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """``messages`` as role/content strings (text parts of a content list are joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported",
+                                 "messages")
+            content = "".join(p["text"] for p in content)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text "
+                             "parts", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def completion_prompt(body: dict) -> str | list[int]:
+    """``prompt``: a string or a list of token ids (or a one-element list of either)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise BadRequest("'prompt' must be a non-empty string or list of token ids (one prompt "
+                     "per request)", "prompt")
+
+
+# ---------------------------------------------------------------- the app
+
+
+def _usage(result: RequestResult) -> dict:
+    m = result.metrics
+    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.output_tokens,
+            "total_tokens": m.prompt_tokens + m.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": m.cached_tokens}}
+
+
+def _finish_reason(result: RequestResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def build_app(worker: EngineWorker, model_name: str, model_path: str):
+    """The FastAPI application serving ``worker``'s engine as ``model_name``."""
+    app = FastAPI(title="minirt.serve", version="0.1",
+                  description="A teaching server: OpenAI-compatible, one model, no auth.")
+    tokenizer = worker.engine.tokenizer
+
+    def bad(message: str, param: str | None = None, status: int = 400,
+            kind: str = "invalid_request_error") -> JSONResponse:
+        return JSONResponse(error_body(message, kind, param, status), status_code=status)
+
+    @app.get("/health")
+    async def health():
+        if worker.alive:
+            return PlainTextResponse("ok")
+        return PlainTextResponse("engine not running", status_code=503)
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": 0, "owned_by": "minirt",
+            "root": model_path,
+            "max_model_len": worker.engine.max_positions}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(worker.metrics_text(),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def handle(http: HttpRequest, endpoint: str):
+        arrival = time.perf_counter()
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return bad(f"the request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return bad("the request body must be a JSON object")
+        if body.get("model") not in (None, model_name, model_path):
+            return bad(f"The model '{body['model']}' does not exist; this server serves "
+                       f"'{model_name}'", "model", 404, "NotFoundError")
+        try:
+            options = sampling_options(body, endpoint)
+            if endpoint == "chat":
+                messages = chat_messages(body)
+
+                def build() -> Request:
+                    return Request(messages=messages, **options)
+            else:
+                prompt = completion_prompt(body)
+
+                def build() -> Request:
+                    ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+                    return Request(prompt=ids, **options)
+            stream_flag = body.get("stream", False)
+            if not isinstance(stream_flag, bool):
+                raise BadRequest(f"'stream' must be a boolean, got {stream_flag!r}", "stream")
+            stream_opts = body.get("stream_options") or {}
+            if not isinstance(stream_opts, dict):
+                raise BadRequest("'stream_options' must be an object", "stream_options")
+            include_usage = bool(stream_opts.get("include_usage", False))
+            stream = await worker.submit(build, arrival, options["stop"])
+        except BadRequest as exc:
+            return bad(str(exc), exc.param)
+        except RequestError as exc:
+            return bad(str(exc))
+        created = int(time.time())
+        ident = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{stream.rid}-" \
+                f"{uuid.uuid4().hex[:8]}"
+        if stream_flag:
+            events = _sse(worker, stream, endpoint, ident, created, model_name, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await _complete(worker, stream, http, endpoint, ident, created, model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        return await handle(http, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await handle(http, "completions")
+
+    return app
+
+
+async def _complete(worker: EngineWorker, stream: Stream, http: HttpRequest, endpoint: str,
+                    ident: str,
+                    created: int, model_name: str):
+    """Wait for the whole answer (cancelling if the client goes away meanwhile)."""
+    text = []
+    try:
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(stream.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    worker.cancel(stream)
+                    return JSONResponse(error_body("client disconnected"), status_code=499)
+                continue
+            if kind == "delta":
+                text.append(value)
+            elif kind == "error":
+                return JSONResponse(error_body(value, "server_error", code=500),
+                                    status_code=500)
+            else:
+                result = value
+                break
+    except asyncio.CancelledError:
+        worker.cancel(stream)
+        raise
+    content = "".join(text)
+    if endpoint == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": content},
+                  "finish_reason": _finish_reason(result), "logprobs": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": content, "finish_reason": _finish_reason(result),
+                  "logprobs": None}
+        obj = "text_completion"
+    return {"id": ident, "object": obj, "created": created, "model": model_name,
+            "choices": [choice], "usage": _usage(result)}
+
+
+async def _sse(worker: EngineWorker, stream: Stream, endpoint: str, ident: str,
+               created: int, model_name: str, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
+
+    If the client disconnects, the response task is cancelled and ``finally`` cancels the
+    engine request, which frees its slots.
+    """
+    obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+
+    def chunk(piece: str | None, finish: str | None, usage: dict | None = None) -> str:
+        if endpoint == "chat":
+            delta = {} if piece is None else {"content": piece}
+            if piece == "" and finish is None:
+                delta = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": piece or "", "finish_reason": finish,
+                      "logprobs": None}
+        data = {"id": ident, "object": obj, "created": created, "model": model_name,
+                "choices": [] if usage is not None else [choice]}
+        if usage is not None:
+            data["usage"] = usage
+        return f"data: {json.dumps(data)}\n\n"
+
+    try:
+        first = True
+        while True:
+            kind, value = await stream.events.get()
+            if first and endpoint == "chat":  # the role comes with the first token, as in vLLM
+                yield chunk("", None)
+            first = False
+            if kind == "delta":
+                yield chunk(value, None)
+            elif kind == "error":
+                yield f"data: {json.dumps(error_body(value, 'server_error', code=500))}\n\n"
+                break
+            else:
+                yield chunk(None, _finish_reason(value))
+                if include_usage:
+                    yield chunk(None, None, _usage(value))
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        worker.cancel(stream)  # a no-op once it finished
+
+
+# ---------------------------------------------------------------- running it
+
+
+def make_worker(model: str | None = None, capacity: int = 8192, page_size: int = 1,
+                token_budget: int = 2048, policy: str = "lru", device: str | None = None,
+                ) -> tuple[EngineWorker, str, str]:
+    """Load the model (float32 on CPU) and start the engine thread: (worker, name, path)."""
+    import torch
+
+    from .model import DEFAULT_MODEL, load_model
+
+    m, tok = load_model(model, device=device, dtype=torch.float32)
+    path = str(m.name_or_path)
+    name = str(model or os.environ.get("MINIRT_MODEL") or DEFAULT_MODEL)
+    engine = Engine(m, tok, capacity=capacity, page_size=page_size, token_budget=token_budget,
+                    policy=policy)
+    return EngineWorker(engine).start(), name, path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m minirt.serve``: load the model, start the engine thread, serve HTTP."""
+    import uvicorn
+
+    p = argparse.ArgumentParser(prog="python -m minirt.serve", description=__doc__.split(
+        "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    p.add_argument("--model", default=None, help="model name or path (default: the book's)")
+    p.add_argument("--served-model-name", default=None, help="the id /v1/models reports")
+    p.add_argument("--capacity", type=int, default=8192, help="KV pool slots (tokens)")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--token-budget", type=int, default=2048,
+                   help="uncached prompt tokens prefilled per step")
+    p.add_argument("--policy", default="lru", help="eviction policy")
+    p.add_argument("--device", default=None)
+    p.add_argument("--log-level", default="warning")
+    args = p.parse_args(argv)
+
+    worker, name, path = make_worker(args.model, args.capacity, args.page_size,
+                                     args.token_budget, args.policy, args.device)
+    name = args.served_model_name or name
+    app = build_app(worker, name, path)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(128)  # connections wait in the backlog until uvicorn serves them
+    host, port = sock.getsockname()[:2]
+    print(f"minirt.serve: {name} listening on http://{host}:{port}/v1 (a teaching server: "
+          "no auth, one model)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
+                                           timeout_graceful_shutdown=2))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.stop()
+
+
+@dataclass
+class ServerProcess:
+    """A ``python -m minirt.serve`` child process; ``stop()`` ends it by its pid."""
+
+    process: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT/v1
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def base(self) -> str:
+        return self.url.removesuffix("/v1")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """Terminate the server (SIGTERM, then SIGKILL) and wait; returns its exit code."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+        return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch(*args: str, timeout: float = 180.0, env: dict | None = None) -> ServerProcess:
+    """Start ``python -m minirt.serve --port 0 ARGS`` and wait until ``/health`` says ok.
+
+    Its output goes to a temporary log file (a pipe nobody reads could fill and stall it).
+    """
+    import httpx
+
+    log = Path(tempfile.mkstemp(prefix="minirt-serve-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "minirt.serve", "--port", "0", *args]
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})})
+    server = None
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"minirt.serve exited with {process.returncode}:\n"
+                                   f"{log.read_text()[-3000:]}")
+            found = re.search(r"listening on (http://\S+/v1)", log.read_text())
+            if found and server is None:
+                server = ServerProcess(process, found.group(1), log)
+            if server is not None:
+                try:
+                    if httpx.get(server.base + "/health", timeout=2).status_code == 200:
+                        return server
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        raise TimeoutError(f"minirt.serve not ready after {timeout} s:\n"
+                           f"{log.read_text()[-3000:]}")
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+
+
+if __name__ == "__main__":
+    main()

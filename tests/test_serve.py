@@ -1,0 +1,239 @@
+"""minirt.serve on a free local port with the real model, driven by httpx and the official
+``openai`` client: chat with and without streaming, cached tokens as the engine counts
+them, 400 on bad input with the others unaffected, a disconnect freeing its slots; and
+minirt.replay against it. The server is one child process, stopped by its pid."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+import torch
+
+from minirt.engine import Engine, Request
+from minirt.model import load_model
+from minirt.replay import arrival_times, main, replay
+from minirt.serve import TextDeltas, launch
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = launch("--capacity", "4096", "--token-budget", "512")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        assert srv.process.poll() is not None  # ended, by its pid
+
+
+@pytest.fixture(scope="module")
+def local():
+    """The same model in this process: what the server's engine should compute."""
+    model, tokenizer = load_model(dtype=torch.float32)
+    return model, tokenizer
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def metrics(server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(server.base + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def chat(system: str, user: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def test_models_health_and_model_info(server, http):
+    assert http.get("/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(server.base + "/health").status_code == 200
+    info = httpx.get(server.base + "/get_model_info").json()
+    assert info["is_generation"] is True and MODEL in info["model_path"]
+    names = metrics(server)
+    assert "minirt_prefix_cache_hits_total" in names
+    assert "minirt_prefix_cache_queries_total" in names
+
+
+def test_chat_stream_and_not_and_cached_tokens_as_the_engine_counts(server, local):
+    """Two requests sharing a system prompt: the second one's cached_tokens is what a
+    local Engine counts for the same pair; streamed and whole answers are the engine's."""
+    model, tokenizer = local
+    system = f"You are a helpful assistant of shop {uuid.uuid4().hex}. Answer briefly."
+    first, second = chat(system, "Name a fruit."), chat(system, "Name a colour.")
+    client = openai.OpenAI(base_url=server.url, api_key="unused")
+    before = metrics(server)
+    a = client.chat.completions.create(model=MODEL, messages=first, max_tokens=8,
+                                       temperature=0)
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=second, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"unknown_field": 1}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    after = metrics(server)
+
+    engine = Engine(model, tokenizer, capacity=4096)
+    want = engine.generate([Request(messages=first, max_new_tokens=8)], progress=False)[0]
+    want2 = engine.generate([Request(messages=second, max_new_tokens=8)], progress=False)[0]
+    assert a.choices[0].message.content == want.text
+    assert a.usage.prompt_tokens == want.metrics.prompt_tokens
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    assert "".join(pieces) == want2.text and len(pieces) > 1
+    assert usage.prompt_tokens == want2.metrics.prompt_tokens
+    assert usage.completion_tokens == want2.metrics.output_tokens
+    assert usage.prompt_tokens_details.cached_tokens == want2.metrics.cached_tokens > 20
+    hits = after["minirt_prefix_cache_hits_total"] - before["minirt_prefix_cache_hits_total"]
+    assert hits == want2.metrics.cached_tokens
+
+
+def test_completions_with_token_ids_stop_and_seed(http, local):
+    _, tokenizer = local
+    ids = tokenizer("The capital of France is")["input_ids"]
+    r = http.post("/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 6,
+                                        "temperature": 0, "stop": ["."]}).json()
+    text = r["choices"][0]["text"]
+    assert "." not in text and r["choices"][0]["finish_reason"] in ("stop", "length")
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.2, "top_k": 50}
+    one = http.post("/completions", json={**body, "seed": 3}).json()["choices"][0]["text"]
+    two = http.post("/completions", json={**body, "seed": 3}).json()["choices"][0]["text"]
+    assert one == two
+
+
+BAD = [
+    (b"{not json", "not valid JSON"),
+    (b'{"messages": []}', "'messages' must be a non-empty list"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "x"}', "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 3}', "'n'"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}',
+     "context"),
+]
+
+
+def test_bad_input_gets_400_and_others_are_unaffected(server, http):
+    msgs = chat("You are terse.", "Count to five.")
+    alone = http.post("/chat/completions", json={"messages": msgs, "max_tokens": 24,
+                                                 "temperature": 0}).json()
+    got = {}
+
+    def stream_good():
+        pieces = []
+        with httpx.stream("POST", server.url + "/chat/completions", timeout=120,
+                          json={"messages": msgs, "max_tokens": 24, "temperature": 0,
+                                "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    delta = httpx.Response(200, content=line[6:]).json()["choices"][0]["delta"]
+                    pieces.append(delta.get("content") or "")
+        got["text"] = "".join(pieces)
+
+    t = threading.Thread(target=stream_good)
+    t.start()
+    for body, words in BAD:
+        r = http.post("/chat/completions", content=body,
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert words in err["message"] and err["type"] == "invalid_request_error"
+    r = http.post("/completions", json={"prompt": [1, 10**6], "max_tokens": 2})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    r = http.post("/chat/completions", json={"model": "gpt-9", "messages": msgs})
+    assert r.status_code == 404
+    t.join(timeout=120)
+    assert got["text"] == alone["choices"][0]["message"]["content"]
+
+
+def test_disconnect_mid_stream_cancels_and_frees_slots(server):
+    before = metrics(server)
+    msgs = chat("You are a storyteller.", "Tell me a very long story about a lighthouse.")
+    with httpx.stream("POST", server.url + "/chat/completions", timeout=120,
+                      json={"messages": msgs, "max_tokens": 400, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as s:
+        lines = s.iter_lines()
+        seen = [next(lines) for _ in range(6)]  # a few chunks, then hang up
+    assert any('"content"' in x for x in seen)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        cancelled = m['minirt_requests_total{outcome="cancelled"}'] \
+            - before['minirt_requests_total{outcome="cancelled"}']
+        if cancelled == 1 and m['minirt_requests{state="running"}'] == 0:
+            break
+        time.sleep(0.2)
+    assert cancelled == 1
+    assert m['minirt_kv_slots{owner="private"}'] == 0
+    assert m['minirt_kv_slots{owner="protected"}'] == 0
+    generated = m["minirt_generation_tokens_total"] - before["minirt_generation_tokens_total"]
+    assert generated < 400  # stopped early, not run to max_tokens
+
+
+def test_text_deltas_hold_back_stop_prefixes_and_partial_characters():
+    vocab = {1: "ab", 2: "c", 3: "X", 4: "Y", 5: "\ufffd", 6: "é"}
+
+    def decode(ids):
+        text = "".join(vocab[i] for i in ids)
+        return text.replace("\ufffdé", "é")  # 5 then 6: one character in two tokens
+
+    d = TextDeltas(decode, ("XYZ",))
+    assert [d.push(t) for t in (1, 2, 3, 4)] == ["ab", "c", "", ""]  # "XY" may become XYZ
+    assert d.flush("abcXY") == "XY"
+    d = TextDeltas(decode, ("cX",))
+    assert [d.push(t) for t in (1, 5, 6, 2)] == ["ab", "", "é", ""]
+    assert d.push(3) == "" and d.flush("abé") == ""  # the stop string is never sent
+
+
+def test_replay_chat_few_shot_and_jsonl_against_the_server(server, local, tmp_path, capsys):
+    _, tokenizer = local
+    report = replay(server.url, "chat", rate=0, conversations=2, turns=2, system_tokens=120,
+                    max_tokens=4, seed=5, tokenizer=tokenizer)
+    assert len(report.records) == 4 and not [r for r in report.records if r.error]
+    for r in report.records:
+        assert r.prompt_tokens == len(r.prompt_ids) and 0 < r.ttft <= r.latency
+    for c in (0, 1):
+        t1, t2 = (r for r in report.records if r.conversation == c)
+        assert t2.prompt_ids[:len(t1.prompt_ids)] == t1.prompt_ids
+        assert t2.cached_tokens >= len(t1.prompt_ids)  # the whole previous turn was cached
+    assert report.hit_rate == report.cached_tokens / report.prompt_tokens > 0.5
+    assert report.unique_bound == len(set(
+        tuple(r.prompt_ids[:k]) for r in report.records for k in range(1, len(r.prompt_ids) + 1)))
+
+    lines = [{"messages": chat("You answer in one word.", q), "max_tokens": 3}
+             for q in ("Sky colour?", "Grass colour?", "Snow colour?")]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    main(["--base-url", server.url, "--workload", str(path), "--rate", "20",
+          "--arrivals", "uniform", "--quiet"])
+    out = capsys.readouterr().out
+    assert "3 requests, 0 failed" in out and "unique-token bound" in out
+
+    shots = replay(server.url, "few-shot", rate=0, num_requests=4, max_tokens=2,
+                   tokenizer=tokenizer)
+    assert [r.prompt_tokens for r in shots.records] == [len(r.prompt_ids) for r in shots.records]
+    assert not [r for r in shots.records if r.error] and shots.cached_tokens > 0
+
+
+def test_arrival_times():
+    assert arrival_times(3, 0) == [0.0, 0.0, 0.0]
+    assert arrival_times(3, 2, "uniform") == [0.0, 0.5, 1.0]
+    t = arrival_times(2000, 4.0, seed=1)
+    assert t == sorted(t) and 2000 / t[-1] == pytest.approx(4.0, rel=0.1)
+    with pytest.raises(ValueError, match="poisson"):
+        arrival_times(2, 1.0, "bursty")
