@@ -79,7 +79,7 @@ def node_state(node: RadixNode) -> str:
 def tree_dict(tree: Any) -> dict[tuple[int, ...], dict]:
     """The tree's shape as nested dicts keyed by each node's token tuple (root omitted).
 
-    ``{(101, 11): {(12,): {(21, 22): {}, (31, 32): {}}, (99,): {}}}`` is the seed's A/B/C tree.
+    ``{(101, 11): {(12,): {(21, 22): {}, (31, 32): {}}, (99,): {}}}`` is chapter 02's A/B/C tree.
     """
     def build(node: RadixNode) -> dict:
         return {tuple(c.key.tolist()): build(c) for c in _sorted_children(node)}
