@@ -14,12 +14,16 @@ import platform
 import random
 import sys
 import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-__all__ = ["CHAPTER_MODULES", "Listing", "introduced_in", "setup", "show"]
+__all__ = ["CHAPTER_MODULES", "Listing", "introduced_in", "progress", "setup", "show"]
+
+_T = TypeVar("_T")
 
 # Chapter number -> the minirt modules it introduces (later chapters may extend a module).
 CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
@@ -135,3 +139,32 @@ def show(obj) -> Listing:
 if __name__ == "__main__":  # pragma: no cover
     setup()
     print(sys.version)
+
+
+def progress(iterable: Iterable[_T], desc: str, total: int | None = None) -> Iterator[_T]:
+    """Iterate with a live progress bar that leaves one clean line behind, not a frozen bar.
+
+    A notebook stores the last thing a cell displayed, so a tqdm widget reads "0%" wherever
+    no kernel runs (GitHub, nbviewer, the HTML book). In a notebook the bar is shown through
+    a display handle and replaced, when the loop ends, by the line "``desc``: n/n done";
+    elsewhere it is tqdm's text bar, erased at the end. ``TQDM_DISABLE=1`` shows nothing.
+    """
+    from tqdm.auto import tqdm as auto_tqdm
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    if total is None and hasattr(iterable, "__len__"):
+        total = len(iterable)  # type: ignore[arg-type]
+    if not issubclass(auto_tqdm, notebook_tqdm):  # a terminal, or no ipywidgets
+        yield from auto_tqdm(iterable, desc=desc, total=total, leave=False)
+        return
+    from IPython.display import display
+
+    bar = notebook_tqdm(iterable, desc=desc, total=total, leave=False, display=False)
+    if bar.disable:
+        yield from bar
+        return
+    handle = display(bar.container, display_id=True)
+    yield from bar
+    bar.close()
+    handle.update({"text/plain": f"{desc}: {bar.n}/{bar.n if total is None else total} done"},
+                  raw=True)

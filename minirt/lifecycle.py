@@ -1,6 +1,7 @@
 """The life of a request against the prefix cache and the KV pool, as reusable library code.
 
-The seed's steps, one method each on ``Lifecycle`` (the engine of chapter 06 reuses them):
+The steps of SGLang's and mini-sglang's request path, one method each on ``Lifecycle`` (the
+engine of chapter 06 reuses them):
 
 1. ``match``: the longest cached prefix of the prompt -> a handle (not yet safe to use).
 2. schedule: which waiting request goes first (``minirt.scheduler``, chapter 07; the

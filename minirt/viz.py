@@ -10,15 +10,15 @@ evictable ones (unlocked leaves) are coloured, and a matched path is drawn bold.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import graphviz
 
 from .radix import RadixNode
 
-__all__ = ["STYLE", "draw_tree", "node_state", "path_to_root", "tree_dict", "tree_nodes",
-           "tree_text"]
+__all__ = ["STYLE", "draw_designs", "draw_tree", "node_state", "path_to_root", "tree_dict",
+           "tree_nodes", "tree_text"]
 
 # Colours and shapes, in one place so the legend always matches the drawing.
 STYLE: dict[str, dict[str, str]] = {
@@ -79,7 +79,7 @@ def node_state(node: RadixNode) -> str:
 def tree_dict(tree: Any) -> dict[tuple[int, ...], dict]:
     """The tree's shape as nested dicts keyed by each node's token tuple (root omitted).
 
-    ``{(101, 11): {(12,): {(21, 22): {}, (31, 32): {}}, (99,): {}}}`` is the seed's A/B/C tree.
+    ``{(101, 11): {(12,): {(21, 22): {}, (31, 32): {}}, (99,): {}}}`` is chapter 02's A/B/C tree.
     """
     def build(node: RadixNode) -> dict:
         return {tuple(c.key.tolist()): build(c) for c in _sorted_children(node)}
@@ -209,3 +209,35 @@ def tree_text(tree: Any, tokenizer: Any = None, max_tokens: int = 8, *,
 
     walk(_root_of(tree), 0)
     return "\n".join(lines)
+
+
+def draw_designs(designs: Mapping[str, Sequence[tuple[str, str | None, Sequence[str]]]], *,
+                 title: str | None = None) -> graphviz.Digraph:
+    """Small trees side by side, one boxed cluster per design: two ways to store the same data.
+
+    ``designs`` maps a design's title to its nodes, each ``(name, parent name or None,
+    label lines)``, parents before children; names need be unique only within a design.
+    A node without a parent is drawn as a root (a grey circle). Deterministic ``.source``.
+    """
+    graph = graphviz.Digraph("designs")
+    graph.attr(fontname="Helvetica", fontsize="11")
+    graph.attr("node", fontname="Helvetica", fontsize="10")
+    graph.attr("edge", arrowsize="0.6")
+    if title:
+        graph.attr(label=_escape(title), labelloc="t")
+    for i, (design, nodes) in enumerate(designs.items()):
+        with graph.subgraph(name=f"cluster_{i}") as box:
+            box.attr(label=_escape(design), style="rounded", color="#999999")
+            seen: set[str] = set()
+            for name, parent, lines in nodes:
+                if name in seen:
+                    raise ValueError(f"design {design!r}: node {name!r} appears twice")
+                if parent is not None and parent not in seen:
+                    raise ValueError(f"design {design!r}: parent {parent!r} of {name!r} "
+                                     "must come before it")
+                seen.add(name)
+                attrs = STYLE["root"] if parent is None else STYLE["internal"]
+                box.node(f"d{i}_{name}", "\\n".join(_escape(ln) for ln in lines), **attrs)
+                if parent is not None:
+                    box.edge(f"d{i}_{parent}", f"d{i}_{name}")
+    return graph

@@ -101,3 +101,14 @@ def test_imports_run_one_way():
     for mod in sorted(graph):
         if mod not in state:
             visit(mod, [mod])
+
+
+def test_progress_yields_every_item_and_leaves_no_bar(capsys, monkeypatch):
+    from minirt.book import progress
+
+    assert list(progress(range(3), desc="rounds")) == [0, 1, 2]
+    assert list(progress(iter("ab"), desc="letters")) == ["a", "b"]  # no len: still works
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    assert list(progress([5], desc="quiet")) == [5]
+    captured = capsys.readouterr()
+    assert "%|" not in captured.out  # outside a notebook, tqdm's text bar is erased (stderr)

@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from minirt.radix import RadixNode, page_key, token_key
-from minirt.viz import STYLE, draw_tree, node_state, path_to_root, tree_dict, tree_nodes, tree_text
+from minirt.viz import (
+    STYLE,
+    draw_designs,
+    draw_tree,
+    node_state,
+    path_to_root,
+    tree_dict,
+    tree_nodes,
+    tree_text,
+)
 
 
 def attach(parent: RadixNode, key, value, tick: int = 0) -> RadixNode:
@@ -36,7 +45,7 @@ def node_lines(source: str) -> dict[str, str]:
     return dict(re.findall(r"^\s*(n\d+) \[(.*)\]$", source, re.M))
 
 
-def test_tree_dict_is_the_seed_figure():
+def test_tree_dict_is_the_abc_figure():
     root, *_ = abc_tree()
     assert tree_dict(root) == {(101, 11): {(12,): {(21, 22): {}, (31, 32): {}}, (99,): {}}}
 
@@ -177,3 +186,21 @@ def test_tree_text_outline():
 def test_renders_with_dot():
     svg = draw_tree(abc_tree()[0], highlight=abc_tree()[3]).pipe(format="svg")
     assert svg.startswith(b"<?xml") or b"<svg" in svg[:400]
+
+
+def test_draw_designs_side_by_side():
+    designs = {
+        "page-aligned": [("root", None, ["root"]), ("a", "root", ["[1, 2]", "pages 0"])],
+        "offset": [("root", None, ["root"]), ("a", "root", ["[1, 2]"]),
+                   ("b", "a", ["[3]", "offset 1"])],
+    }
+    g = draw_designs(designs, title="two designs")
+    src = g.source
+    assert src == draw_designs(designs, title="two designs").source  # deterministic
+    assert src.count("subgraph cluster_") == 2
+    assert "d0_root -> d0_a" in src and "d1_a -> d1_b" in src and "d0_a -> d0_b" not in src
+    assert '"[1, 2]\\npages 0"' in src and "offset 1" in src
+    with pytest.raises(ValueError, match="must come before"):
+        draw_designs({"bad": [("b", "a", ["x"]), ("a", None, ["root"])]})
+    with pytest.raises(ValueError, match="appears twice"):
+        draw_designs({"bad": [("a", None, ["root"]), ("a", None, ["root"])]})

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Strict nbval on the notebooks that time something, while a CPU-bound process occupies one
+# core: every timing assert must hold on a loaded machine (BOOK.md section 5).
+#
+#   tools/nbval_under_load.sh                          # every chapter and solution that times
+#   tools/nbval_under_load.sh chapters/03_match_and_insert.ipynb ...   # just these
+#
+# The load is one busy-looping Python process; it is stopped by its pid when the run ends,
+# whether nbval passes, fails or is interrupted.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+
+if [ "$#" -gt 0 ]; then
+    notebooks=("$@")
+else
+    # Notebooks whose code reads a clock: perf_counter, or the engine's TTFT metrics.
+    mapfile -t notebooks < <(grep -l -E 'perf_counter|metrics\.ttft' \
+        chapters/*.ipynb solutions/*.ipynb | sort)
+fi
+if [ "${#notebooks[@]}" -eq 0 ]; then
+    echo "nbval_under_load: no notebooks to run" >&2
+    exit 2
+fi
+
+"$PY" -c 'while True: pass' &
+burner=$!
+stop_burner() { kill "$burner" 2>/dev/null || true; wait "$burner" 2>/dev/null || true; }
+trap stop_burner EXIT INT TERM
+echo "nbval_under_load: one core kept busy by pid $burner; load average $(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo ?)"
+echo "nbval_under_load: ${notebooks[*]}"
+
+TQDM_DISABLE=1 "$PY" -m pytest -q --nbval --nbval-current-env \
+    --nbval-sanitize-with tools/nbval_sanitize.cfg "${notebooks[@]}"
