@@ -18,6 +18,7 @@ NB_EXEC     := $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 NBVAL       := --nbval --nbval-current-env --nbval-sanitize-with tools/nbval_sanitize.cfg
 CHAPTERS    := $(sort $(wildcard chapters/*.ipynb))
 SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))
+BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
 .PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean
 
@@ -34,7 +35,9 @@ env: $(STAMP)
 model: env
 	$(BIN)/python -m minirt.model fetch
 
+# Trusted notebooks show their stored SVG trees, plots and widget pictures before any cell runs.
 lab: model
+	$(BIN)/jupyter trust $(BOOK_NOTEBOOKS)
 	$(BIN)/jupyter lab chapters/
 
 book: model

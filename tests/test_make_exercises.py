@@ -97,3 +97,15 @@ def test_check_mode_detects_stale_and_orphan_exercises(tmp_path, capsys):
 
 def test_repository_exercises_are_up_to_date():
     assert mx.main(["--check"]) == 0
+
+
+def test_exercise_keeps_the_kernelspec_and_drops_widget_state():
+    nb = _notebook(SOLUTION_CELL)
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python",
+                                 "name": "python3"}
+    nb.metadata["language_info"] = {"name": "python"}
+    nb.metadata["widgets"] = {"state": {}}
+    out = mx.make_exercise(nb, chapter=3)
+    assert out.metadata["kernelspec"]["name"] == "python3"
+    assert out.metadata["language_info"] == {"name": "python"}
+    assert "widgets" not in out.metadata
