@@ -1,7 +1,7 @@
 # minirt: two commands do everything.
 #   make book   build the environment, fetch the model once, execute every chapter
 #   make test   build the environment, fetch the model once, run every check (BOOK.md section 7)
-# Other targets: lab, test-gpu, exercises, model, env, clean.
+# Other targets: lab, html, test-browser, test-gpu, exercises, model, env, clean.
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -20,7 +20,8 @@ CHAPTERS    := $(sort $(wildcard chapters/*.ipynb))
 SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))
 BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
-.PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean
+.PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean \
+        html test-browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,10 +63,18 @@ test: model lint
 	$(BIN)/python tools/make_exercises.py --check
 	TQDM_DISABLE=1 $(BIN)/python -m pytest -q tests $(NBVAL) $(CHAPTERS) $(SOLUTIONS)
 
+# The book as a static website in _build/html, from the stored outputs (nothing re-runs).
+html: env
+	$(BIN)/python tools/build_site.py
+
+# The site and the widgets in a real headless Chromium (Debian's chromium; see README).
+test-browser: html
+	TQDM_DISABLE=1 $(BIN)/python -m pytest -q --browser tests/browser
+
 # On a CUDA machine: the asserts in every notebook still run, outputs are not compared
 # (bf16 numbers differ from the CPU-stored ones), and the tests run with the model on cuda.
 test-gpu: model
 	MINIRT_DEVICE=cuda TQDM_DISABLE=1 $(BIN)/python -m pytest -q tests --nbval-lax $(CHAPTERS) $(SOLUTIONS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis _build
