@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import html
-import os
 import posixpath
 import re
 import shutil
@@ -36,8 +35,9 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 FIGURE_MIMES = ("image/svg+xml", "image/png", "image/jpeg")
 MATHJAX_DIRS = (Path("/usr/share/javascript/mathjax"), Path("/usr/share/mathjax"))
 # The parts of MathJax 2 that the lab template's configuration (TeX-AMS_CHTML-full, Safe) loads.
-MATHJAX_PARTS = ("MathJax.js", "config/TeX-AMS_CHTML-full.js", "config/Safe.js", "extensions", "jax/input/TeX",
-                 "jax/output/CommonHTML", "jax/element", "fonts/HTML-CSS/TeX/woff")
+MATHJAX_PARTS = ("MathJax.js", "config/TeX-AMS_CHTML-full.js", "config/Safe.js", "extensions",
+                 "jax/input/TeX", "jax/output/CommonHTML", "jax/element",
+                 "fonts/HTML-CSS/TeX/woff")
 MATHJAX_URL = "_static/mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe"
 WIDGET_NOTE = (
     '<div class="book-widget-note">An interactive widget goes here: it needs a running '
@@ -135,7 +135,8 @@ def nav_html(pages: list[Page], current: Page) -> str:
     by_target = {p.target: p for p in pages}
     chapters = [p for p in pages if p.source.startswith("chapters/")]
     items = "".join(f"<li>{link(p)}</li>" for p in chapters)
-    parts = [f'<nav class="book-nav"><div class="book-title">{link(by_target["index.html"], "minirt")}'
+    home = link(by_target["index.html"], "minirt")
+    parts = [f'<nav class="book-nav"><div class="book-title">{home}'
              f"</div><h2>Chapters</h2><ol start=\"0\">{items}</ol><h2>Practice</h2><ul>"
              f'<li>{link(by_target["exercises/index.html"], "Exercises")}</li>'
              f'<li>{link(by_target["solutions/index.html"], "Solutions")}</li></ul>']
@@ -152,9 +153,14 @@ def pager_html(pages: list[Page], current: Page) -> str:
     if current not in siblings:
         return ""
     i = siblings.index(current)
-    prev = f'<a href="{siblings[i - 1].target.split("/")[-1]}">← {html.escape(siblings[i - 1].title)}</a>' if i else "<span></span>"
-    nxt = (f'<a href="{siblings[i + 1].target.split("/")[-1]}">{html.escape(siblings[i + 1].title)} →</a>'
-           if i + 1 < len(siblings) else "<span></span>")
+
+    def step(j: int, text: str) -> str:
+        if not 0 <= j < len(siblings):
+            return "<span></span>"
+        return f'<a href="{siblings[j].target.split("/")[-1]}">{text}</a>'
+
+    prev = step(i - 1, "← " + html.escape(siblings[i - 1].title)) if i else "<span></span>"
+    nxt = step(i + 1, html.escape(siblings[(i + 1) % len(siblings)].title) + " →")
     return f'<div class="book-pager">{prev}{nxt}</div>'
 
 

@@ -31,6 +31,9 @@ _FIGURES = """() => [...document.querySelectorAll(
                      && (e.tagName.toLowerCase() !== 'img' || e.naturalWidth > 0); })"""
 
 
+_LINKS = "() => [...document.querySelectorAll('a[href]')].map(a => a.href)"
+
+
 def _open(tab, url: str) -> None:
     response = tab.page.goto(url, wait_until="load")
     assert response is not None and response.ok, f"{url}: HTTP {response and response.status}"
@@ -76,7 +79,8 @@ def test_each_chapter_page_shows_every_stored_figure(tab, site_url, shots):
         stored = figure_count(nbformat.read(path, as_version=4))
         _open(tab, f"{site_url}chapters/{path.stem}.html")
         drawn = tab.page.evaluate(_FIGURES)
-        assert len(drawn) == stored, f"{path.name}: {len(drawn)} figures on the page, {stored} stored"
+        assert len(drawn) == stored, (
+            f"{path.name}: {len(drawn)} figures on the page, {stored} stored")
         assert all(drawn), f"{path.name}: a figure did not draw ({drawn})"
         first = tab.page.locator(".jp-RenderedSVG img, .jp-RenderedImage img").first
         if stored:
@@ -92,7 +96,7 @@ def test_navigation_from_home_reaches_every_chapter(tab, site_url):
         nxt = []
         for url in frontier:
             _open(tab, url)
-            for link in tab.page.evaluate("() => [...document.querySelectorAll('a[href]')].map(a => a.href)"):
+            for link in tab.page.evaluate(_LINKS):
                 link = urldefrag(link)[0]
                 if link.startswith(site_url) and link.endswith(".html") and link not in seen:
                     seen.add(link)
