@@ -37,6 +37,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
+def port_finder():
+    """``free_port`` for tests in other modules (conftest is not importable)."""
+    return free_port
+
+
+@pytest.fixture(scope="session")
 def shots() -> Path:
     SHOTS.mkdir(parents=True, exist_ok=True)
     return SHOTS
