@@ -44,7 +44,8 @@ WIDGET_NOTE = (
     "Python kernel. Open this notebook in JupyterLab (<code>make lab</code>) and run it to "
     "use it; where the notebook stores a picture of the widget's first state, it follows."
     "</div>")
-BIBLIOGRAPHY = re.compile(r"^(#{2,3})\s+(bibliography|references)\b.*$", re.I | re.M)
+BIBLIOGRAPHY = re.compile(r"^(#{2,3})\s+(bibliography|references|further reading)\b.*$",
+                          re.I | re.M)
 
 
 @dataclass
