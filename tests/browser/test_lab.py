@@ -240,21 +240,35 @@ def test_stepper_next_and_back(tab, lab, shots):
     assert not [e for e in tab.errors if "favicon" not in e], tab.errors
 
 
-def _pictures_while_scrolling(page) -> dict[int, int]:
-    """Scroll the whole windowed notebook; {cell index: pictures in its outputs}."""
+def _pictures_while_scrolling(page, passes: int = 2) -> dict[int, int]:
+    """Scroll the whole windowed notebook; {cell index: most pictures seen in its outputs}.
+
+    Cells and their outputs render a moment after they scroll in: each step waits until
+    the count holds still, and the notebook is scrolled through twice.
+    """
+    count = f"""() => [...document.querySelectorAll("{PANEL} .jp-Cell")].map(
+        c => [Number(c.dataset.windowedListIndex), c.querySelectorAll(
+          '.jp-OutputArea-output.jp-RenderedSVG img, .jp-OutputArea-output.jp-RenderedSVG svg,'
+          + ' .jp-OutputArea-output.jp-RenderedImage img').length])"""
     seen: dict[int, int] = {}
-    for _ in range(400):
-        found = page.evaluate(f"""() => [...document.querySelectorAll("{PANEL} .jp-Cell")].map(
-            c => [Number(c.dataset.windowedListIndex), c.querySelectorAll(
-              '.jp-OutputArea-output.jp-RenderedSVG img, .jp-OutputArea-output.jp-RenderedSVG svg,'
-              + ' .jp-OutputArea-output.jp-RenderedImage img').length])""")
-        seen.update({i: n for i, n in found})
-        at_end = page.evaluate(f"""() => {{ const p = document.querySelector(
-            "{PANEL} .jp-WindowedPanel-outer"); const end = p.scrollTop + p.clientHeight
-            >= p.scrollHeight - 2; p.scrollTop += p.clientHeight * 0.7; return end; }}""")
-        if at_end:
-            break
-        page.wait_for_timeout(250)
+    for _ in range(passes):
+        page.evaluate(f"""() => {{ document.querySelector(
+            "{PANEL} .jp-WindowedPanel-outer").scrollTop = 0; }}""")
+        for _ in range(400):
+            found, previous = None, page.evaluate(count)
+            for _ in range(20):  # until two looks 400 ms apart agree
+                page.wait_for_timeout(400)
+                found = page.evaluate(count)
+                if found == previous:
+                    break
+                previous = found
+            for i, n in found:
+                seen[i] = max(n, seen.get(i, 0))
+            at_end = page.evaluate(f"""() => {{ const p = document.querySelector(
+                "{PANEL} .jp-WindowedPanel-outer"); const end = p.scrollTop + p.clientHeight
+                >= p.scrollHeight - 2; p.scrollTop += p.clientHeight * 0.6; return end; }}""")
+            if at_end:
+                break
     return seen
 
 
