@@ -1,7 +1,8 @@
 # minirt: two commands do everything.
 #   make book   build the environment, fetch the model once, execute every chapter
 #   make test   build the environment, fetch the model once, run every check (BOOK.md section 7)
-# Other targets: lab, test-gpu, exercises, model, env, clean, peer-vllm (optional: vLLM side by side).
+# Other targets: lab, html, test-browser, test-gpu, exercises, model, env, clean,
+#   peer-vllm (optional: vLLM side by side).
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -18,8 +19,10 @@ NB_EXEC     := $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 NBVAL       := --nbval --nbval-current-env --nbval-sanitize-with tools/nbval_sanitize.cfg
 CHAPTERS    := $(sort $(wildcard chapters/*.ipynb))
 SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))
+BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
-.PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean peer-vllm
+.PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean \
+        html test-browser peer-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +37,9 @@ env: $(STAMP)
 model: env
 	$(BIN)/python -m minirt.model fetch
 
+# Trusted notebooks show their stored SVG trees, plots and widget pictures before any cell runs.
 lab: model
+	$(BIN)/jupyter trust $(BOOK_NOTEBOOKS)
 	$(BIN)/jupyter lab chapters/
 
 book: model
@@ -59,6 +64,14 @@ test: model lint
 	$(BIN)/python tools/make_exercises.py --check
 	TQDM_DISABLE=1 $(BIN)/python -m pytest -q tests $(NBVAL) $(CHAPTERS) $(SOLUTIONS)
 
+# The book as a static website in _build/html, from the stored outputs (nothing re-runs).
+html: env
+	$(BIN)/python tools/build_site.py
+
+# The site and the widgets in a real headless Chromium (Debian's chromium; see README).
+test-browser: html
+	TQDM_DISABLE=1 $(BIN)/python -m pytest -q --browser tests/browser
+
 # On a CUDA machine: the asserts in every notebook still run, outputs are not compared
 # (bf16 numbers differ from the CPU-stored ones), and the tests run with the model on cuda.
 test-gpu: model
@@ -81,4 +94,4 @@ peer-vllm: model $(VLLM_VENV)/.installed
 	TQDM_DISABLE=1 $(BIN)/python benchmarks/vs_vllm.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis _build

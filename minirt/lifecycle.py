@@ -44,6 +44,7 @@ __all__ = [
     "greedy_reference",
     "greedy_token",
     "lifecycle_stepper",
+    "matched_paths",
     "node_path",
     "pool_map",
     "pool_map_text",
@@ -508,6 +509,23 @@ def state_snapshot(lc: Lifecycle) -> tuple:
     return lc.pool.snapshot(), lc.cache.snapshot(), reqs
 
 
+def matched_paths(lc: Lifecycle) -> list[RadixNode]:
+    """Nodes on the matched paths of waiting requests, root included, in tree order.
+
+    Only matches still in the tree count: a handle whose node was evicted (or whose
+    cache was reset) is stale and shows nothing.
+    """
+    live = {id(n) for n in lc.cache.nodes()}
+    on_path: set[int] = set()
+    for req in lc.requests.values():
+        m = req.match
+        if req.state == "waiting" and m is not None and m.cached_len and id(m.handle.node) in live:
+            on_path.update(id(n) for n in node_path(m.handle.node))
+    if not on_path:
+        return []
+    return [lc.cache.root] + [n for n in lc.cache.nodes() if id(n) in on_path]
+
+
 def pool_map(lc: Lifecycle) -> list[str]:
     """The owner of every slot: 'free', 'cached' (evictable tree), 'protected', or a request id."""
     labels = ["?"] * lc.pool.capacity
@@ -544,7 +562,11 @@ class LifecycleState:
 
     @classmethod
     def capture(cls, lc: Lifecycle, step: str, note: str = "", tokenizer=None) -> LifecycleState:
-        """Snapshot ``lc`` now (the tree drawn with minirt.viz, slots prefixed 'p')."""
+        """Snapshot ``lc`` now (the tree drawn with minirt.viz, slots prefixed 'p').
+
+        The drawing highlights the matched path of every waiting request that holds a
+        live match, so a frame taken right after ``match`` shows what was found.
+        """
         from .viz import draw_tree, tree_text
 
         refs = {" ".join(map(str, n.key.tolist())): n.ref_count for n in lc.cache.nodes()}
@@ -552,7 +574,8 @@ class LifecycleState:
                   if r.state in ("locked", "running")}
         return cls(step, note, tables, lc.pool.free_slots().tolist(), dict(sorted(refs.items())),
                    lc.counters(), pool_map(lc),
-                   draw_tree(lc.cache, tokenizer, title=step).source,
+                   draw_tree(lc.cache, tokenizer, highlight=matched_paths(lc) or None,
+                             title=step).source,
                    tree_text(lc.cache, tokenizer))
 
     def counters_text(self) -> str:

@@ -1,4 +1,4 @@
-"""Fixtures shared by the tests that run a tiny model many times."""
+"""Fixtures shared by the tests that run a tiny model many times; the browser-test switch."""
 
 from __future__ import annotations
 
@@ -31,3 +31,15 @@ def tiny64():
     """``tiny_model(0)`` in float64: greedy ties that rounding could flip are out of reach,
     so outputs with and without the cache can be required to be exactly equal."""
     return tiny_model(0).to(torch.float64)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--browser", action="store_true", default=False,
+                     help="also run tests/browser (needs `make html` and Chromium)")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/browser drives a real Chromium for minutes: only `make test-browser` runs it."""
+    if collection_path.name == "browser" and not config.getoption("--browser"):
+        return True
+    return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
@@ -16,6 +18,7 @@ from minirt.lifecycle import (
     check_integrity,
     greedy_reference,
     lifecycle_stepper,
+    matched_paths,
     pool_map,
     pool_map_text,
     state_snapshot,
@@ -312,6 +315,39 @@ def test_states_and_stepper_logic(model):
     assert "<svg" in widget.children[3].value and "p0" in widget.children[1].value
     back.click()
     assert "1/2" in title.value
+
+
+def _bold_nodes(source: str) -> list[str]:
+    """Names of the tree nodes (not legend entries) a DOT source draws with the highlight."""
+    return re.findall(r"^\s*(n\d+) \[.*color=\"#d62728\"", source, re.M)
+
+
+def test_match_frame_highlights_the_matched_path(model):
+    """The stepper's legend lists "matched path": the frame after match must show one."""
+    lc = make(model, capacity=8)
+    lc.run(lc.new_request(S, 1, rid="S"))
+    r1 = lc.new_request(S + [31, 32], 3, rid="R1")
+    before = LifecycleState.capture(lc, "start")
+    assert matched_paths(lc) == [] and _bold_nodes(before.tree_source) == []
+    lc.match(r1)
+    matched = LifecycleState.capture(lc, "match")
+    # root and S's node, joined by a highlighted edge; nothing else
+    assert [n.key.tolist() for n in matched_paths(lc)] == [[], S]
+    assert _bold_nodes(matched.tree_source) == ["n0", "n1"]
+    assert re.search(r'n0 -> n1 \[color="#d62728"', matched.tree_source)
+    lc.lock(r1)
+    locked = LifecycleState.capture(lc, "lock")
+    assert _bold_nodes(locked.tree_source) == [], "a locked request's path is drawn protected"
+
+
+def test_stale_match_is_not_highlighted(model):
+    lc = make(model, capacity=8)
+    lc.run(lc.new_request(S, 1, rid="S"))
+    r1 = lc.new_request(S + [31], 1, rid="R1")
+    lc.match(r1)
+    lc.cache.evict(4)
+    assert matched_paths(lc) == []
+    assert _bold_nodes(LifecycleState.capture(lc, "evicted").tree_source) == []
 
 
 # ---------------------------------------------------------------- stateful fuzzing

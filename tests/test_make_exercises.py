@@ -129,3 +129,15 @@ def test_chapter_labels_include_parts_of_a_chapter():
     assert mx.chapter_number(Path("06a_online.ipynb")) == "6a"
     with pytest.raises(ValueError, match="NN_name"):
         mx.chapter_number(Path("online.ipynb"))
+
+
+def test_exercise_keeps_the_kernelspec_and_drops_widget_state():
+    nb = _notebook(SOLUTION_CELL)
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python",
+                                 "name": "python3"}
+    nb.metadata["language_info"] = {"name": "python"}
+    nb.metadata["widgets"] = {"state": {}}
+    out = mx.make_exercise(nb, chapter=3)
+    assert out.metadata["kernelspec"]["name"] == "python3"
+    assert out.metadata["language_info"] == {"name": "python"}
+    assert "widgets" not in out.metadata

@@ -74,6 +74,37 @@ def test_no_run_timestamps(path):
     assert all("execution" not in c.get("metadata", {}) for c in _code_cells(path))
 
 
+@pytest.mark.parametrize("path", ALL, ids=_ids(ALL))
+def test_kernelspec_is_stored(path):
+    """Without it JupyterLab asks for a kernel and marks the notebook changed on open."""
+    meta = json.loads(path.read_text())["metadata"]
+    assert meta.get("kernelspec", {}).get("name") == "python3", (
+        f"{path.name}: no python3 kernelspec; run `python tools/nb_kernelspec.py`")
+    assert meta.get("kernelspec", {}).get("language") == "python"
+    assert meta.get("language_info", {}).get("name") == "python", (
+        f"{path.name}: no language_info; run `python tools/nb_kernelspec.py`")
+
+
+def test_kernelspec_tool_fixes_only_metadata(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import nb_kernelspec
+
+    source = ROOT / "chapters" / "02_radix_tree.ipynb"
+    copy = tmp_path / source.name
+    nb = json.loads(source.read_text())
+    nb["metadata"] = {"jupytext": {"main_language": "python"},
+                      "language_info": {"name": "python", "version": "3.11.7"}}
+    copy.write_text(json.dumps(nb, indent=1))
+    assert nb_kernelspec.main(["--check", str(copy)]) == 1
+    assert nb_kernelspec.main([str(copy)]) == 0
+    fixed = json.loads(copy.read_text())
+    assert fixed["cells"] == nb["cells"]
+    assert fixed["metadata"]["kernelspec"] == nb_kernelspec.KERNELSPEC
+    assert fixed["metadata"]["language_info"]["version"] == "3.11.7"
+    assert "jupytext" not in fixed["metadata"]
+    assert nb_kernelspec.main(["--check", str(copy)]) == 0
+
+
 @pytest.mark.parametrize("path", EXECUTED, ids=_ids(EXECUTED))
 def test_first_code_cell_is_setup(path):
     first = _source(_code_cells(path)[0])
