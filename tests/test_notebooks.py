@@ -44,14 +44,17 @@ APPENDIX = re.compile(r"^(\d\d)[a-z]_")
 
 
 def test_every_chapter_has_an_exercise_and_a_solution():
+    """Every chapter NN has both; a lettered part (06a) may have them, an appendix (05a)
+    need not, but each follows a chapter that exists."""
     notebooks = {p.name for p in (ROOT / "chapters").glob("*.ipynb")}
     chapters = {name for name in notebooks if not APPENDIX.match(name)}
     assert chapters, "no chapters yet"
-    assert chapters == {p.name for p in (ROOT / "solutions").glob("*.ipynb")}
-    assert chapters == {p.name for p in (ROOT / "exercises").glob("*.ipynb")}
+    solutions = {p.name for p in (ROOT / "solutions").glob("*.ipynb")}
+    assert solutions == {p.name for p in (ROOT / "exercises").glob("*.ipynb")}
+    assert chapters <= solutions <= notebooks
     numbers = {name[:2] for name in chapters}
-    for appendix in notebooks - chapters:  # an appendix follows a chapter that exists
-        assert APPENDIX.match(appendix).group(1) in numbers, f"{appendix} has no chapter"
+    for part in notebooks - chapters:
+        assert APPENDIX.match(part).group(1) in numbers, f"{part} has no chapter"
 
 
 @pytest.mark.parametrize("path", EXECUTED, ids=_ids(EXECUTED))
