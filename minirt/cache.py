@@ -206,7 +206,7 @@ def check_salt(salt: Any) -> Salt:
 
 
 class SaltedKey:
-    """Child key of a salted request's nodes: ``(salt, key_fn(key))``, as SGLang's extra key.
+    """Child key of a salted request's nodes: ``(salt, key_fn(tokens, pos))``, SGLang's extra key.
 
     Every node of a salted subtree carries it as its ``key_fn``, so a split re-keys the
     halves correctly and requests with different salts never share a node.

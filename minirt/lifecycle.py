@@ -445,8 +445,8 @@ def check_integrity(pool: KVPool, cache: PrefixCache, requests: Iterable[Request
     total = free + ev + pr + private
     require(total == pool.capacity,
             f"free {free} + evictable {ev} + protected {pr} + private {private} = {total} "
-            f"!= capacity {pool.capacity}: "
-            + ("some slots are owned twice" if total > pool.capacity else "slots leaked"))
+            f"!= capacity {pool.capacity}: " + ("some slots are counted twice" if total >
+            pool.capacity else "slots counted nowhere: leaked, or missing from `private`"))
     owner = torch.full((pool.capacity,), -1, dtype=torch.int64)
     names = ["free list", "tree"] + [r.rid for r in reqs]
     for who, slots in enumerate([pool.free_slots(), cache.all_values()]

@@ -105,21 +105,29 @@ def test_best_ttft_order_rejects(wrong):
 # ---------------------------------------------------------------- Exercise 6.3
 
 
-def flops_right(num_new, num_cached, params, layers, heads, head_dim):
-    pairs = sum(num_cached + i for i in range(1, num_new + 1))
+def flops_right(num_new, num_cached, params, layers, heads, head_dim, window=None):
+    keys = [num_cached + i for i in range(1, num_new + 1)]
+    pairs = sum(k if window is None else min(window, k) for k in keys)
     return 2 * params * num_new + 4 * layers * heads * head_dim * pairs
 
 
-def flops_no_attention(num_new, num_cached, params, layers, heads, head_dim):
+def flops_ignores_window(num_new, num_cached, params, layers, heads, head_dim, window=None):
+    return flops_right(num_new, num_cached, params, layers, heads, head_dim)
+
+
+def flops_window_on_new_only(num_new, num_cached, params, layers, heads, head_dim, window=None):
+    w = num_new if window is None else window  # caps the new tokens' triangle, keeps the prefix
+    pairs = num_new * num_cached + sum(min(w, i) for i in range(1, num_new + 1))
+    return 2 * params * num_new + 4 * layers * heads * head_dim * pairs
+
+
+def flops_window_off_by_one(num_new, num_cached, params, layers, heads, head_dim, window=None):
+    return flops_right(num_new, num_cached, params, layers, heads, head_dim,
+                       None if window is None else window + 1)  # a window of w past tokens
+
+
+def flops_no_attention(num_new, num_cached, params, layers, heads, head_dim, window=None):
     return 2 * params * num_new
-
-
-def flops_full_square(num_new, num_cached, params, layers, heads, head_dim):  # ignores causality
-    return 2 * params * num_new + 4 * layers * heads * head_dim * num_new * (num_cached + num_new)
-
-
-def flops_forgets_prefix(num_new, num_cached, params, layers, heads, head_dim):
-    return flops_right(num_new, 0, params, layers, heads, head_dim)
 
 
 def test_flops_accepts_reference(capsys):
@@ -128,7 +136,8 @@ def test_flops_accepts_reference(capsys):
     assert out.startswith("Exercise 6.3 passed") and "1.33x" in out
 
 
-@pytest.mark.parametrize("wrong", [flops_no_attention, flops_full_square, flops_forgets_prefix])
+@pytest.mark.parametrize("wrong", [flops_ignores_window, flops_window_on_new_only,
+                                   flops_window_off_by_one, flops_no_attention])
 def test_flops_rejects(wrong):
     rejects(checks.check_prefill_flops, wrong, "6.3", contains="prefill_flops(")
 

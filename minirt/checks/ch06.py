@@ -170,35 +170,42 @@ def check_best_ttft_order(best_ttft_order: Callable[[list[tuple[int, int]], Step
 
 
 def _prefill_flops(num_new: int, num_cached: int, params: int, layers: int, heads: int,
-                   head_dim: int) -> int:
+                   head_dim: int, window: int | None = None) -> int:
     linear = 2 * params * num_new
-    pairs = num_new * num_cached + num_new * (num_new + 1) // 2
+    if window is None or window >= num_cached + num_new:
+        pairs = num_new * num_cached + num_new * (num_new + 1) // 2
+    else:  # new token i (1-based) sees min(window, num_cached + i) keys
+        pairs = sum(min(window, num_cached + i) for i in range(1, num_new + 1))
     return linear + 4 * layers * heads * head_dim * pairs
 
 
 SMOLLM2 = dict(params=106_168_320, layers=30, heads=9, head_dim=64)
 FLOP_CASES = [
-    (64, 0, 1000, 2, 4, 8), (64, 1024, 1000, 2, 4, 8), (1, 1024, 10, 1, 1, 1),
-    (1, 0, 10, 1, 1, 1), (7, 3, 0, 1, 2, 3),
-    (64, 1024, *SMOLLM2.values()), (64, 0, *SMOLLM2.values()), (1088, 0, *SMOLLM2.values()),
+    (64, 0, 1000, 2, 4, 8, None), (64, 1024, 1000, 2, 4, 8, None), (1, 1024, 10, 1, 1, 1, None),
+    (1, 0, 10, 1, 1, 1, None), (7, 3, 0, 1, 2, 3, None), (7, 3, 0, 1, 2, 3, 4),
+    (2, 3, 0, 1, 1, 1, 3), (5, 0, 0, 1, 1, 1, 2), (64, 1024, 1000, 2, 4, 8, 128),
+    (64, 1024, *SMOLLM2.values(), None), (64, 0, *SMOLLM2.values(), None),
+    (1088, 0, *SMOLLM2.values(), 4096), (64, 1024, *SMOLLM2.values(), 128),
 ]
 
 
-@checker("6.3", "Count the (query, key) pairs for a tiny case by hand: 2 new tokens after 3 "
-                "cached ones. Which keys does each new query see?")
-def check_prefill_flops(prefill_flops: Callable[[int, int, int, int, int, int], int]) -> None:
-    """Exercise 6.3: FLOPs of prefilling ``num_new`` tokens after ``num_cached`` cached ones."""
+@checker("6.3", "Take one new token: how many keys does it see with full attention, and "
+                "how many once a window caps them? Then add up over the new tokens.")
+def check_prefill_flops(prefill_flops: Callable[..., int]) -> None:
+    """Exercise 6.3: FLOPs of prefilling ``num_new`` tokens after ``num_cached`` cached ones,
+    with full (``window=None``) or sliding-window attention."""
+    names = ("num_new", "num_cached", "params", "layers", "heads", "head_dim", "window")
     for case in FLOP_CASES:
         expected = _prefill_flops(*case)
-        names = ("num_new", "num_cached", "params", "layers", "heads", "head_dim")
         args = ", ".join(f"{n}={v}" for n, v in zip(names, case, strict=True))
         got = call_reader(f"prefill_flops({args})", prefill_flops, *case)
         ok = isinstance(got, (int, float)) and not isinstance(got, bool) \
             and math.isclose(float(got), expected, rel_tol=1e-12)
         expect(ok, f"prefill_flops({args}) returned {got!r}, expected {expected}.")
-    ratio = _prefill_flops(64, 1024, **SMOLLM2) / _prefill_flops(64, 0, **SMOLLM2)
-    passed("6.3", f"a 64-token prefill after a 1024-token cached prefix costs {ratio:.2f}x the "
-                  "bare 64-token prefill on SmolLM2: attention to the prefix is not free")
+    full = _prefill_flops(64, 1024, **SMOLLM2) / _prefill_flops(64, 0, **SMOLLM2)
+    local = _prefill_flops(64, 1024, **SMOLLM2, window=128) / _prefill_flops(64, 0, **SMOLLM2)
+    passed("6.3", f"64 new tokens after 1024 cached cost {full:.2f}x a bare 64-token prefill "
+                  f"with full attention, {local:.2f}x with a 128-token window")
 
 
 # ---------------------------------------------------------------- 6.4 FCFS admission
