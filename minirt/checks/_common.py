@@ -10,7 +10,7 @@ algorithm). A pass resets the count, so a later slip starts again at the plain m
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 F = TypeVar("F", bound=Callable[..., None])
@@ -131,3 +131,25 @@ def as_int_list(got) -> list[int] | None:
         return [operator.index(x) for x in items]
     except TypeError:
         return None
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (a plain loop, for references)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def expect_value_error(what: str, fn, *args) -> None:
+    """Call the reader's ``fn(*args)``, which must refuse with ValueError."""
+    try:
+        fn(*args)
+    except ValueError:
+        return
+    except Exception as exc:
+        raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}; expected "
+                             "ValueError") from exc
+    expect(False, f"{what} returned normally; expected ValueError.")

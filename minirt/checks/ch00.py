@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ._common import call_reader, checker, expect, passed, same_int
+from ._common import call_reader, checker, expect, lcp, passed, same_int
 
 __all__ = [
     "check_best_order",
@@ -19,20 +19,11 @@ __all__ = [
 ]
 
 
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _keep_last_prefill(requests: Sequence[Sequence[int]]) -> int:
     """Tokens prefilled when only the previous request's KV is kept."""
     total, previous = 0, []
     for r in requests:
-        total += len(r) - _lcp(r, previous)
+        total += len(r) - lcp(r, previous)
         previous = r
     return total
 

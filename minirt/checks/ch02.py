@@ -16,7 +16,7 @@ from ..cache import RadixCache
 from ..radix import RadixNode, page_key
 from ..viz import tree_dict
 from ..workloads import lookup_steps, prefix_node_counts
-from ._common import as_int_list, call_reader, checker, expect, passed
+from ._common import as_int_list, call_reader, checker, expect, expect_value_error, passed
 
 __all__ = [
     "check_insert_pages",
@@ -128,15 +128,7 @@ def check_merge(merge: Callable[[RadixNode], RadixNode]) -> None:
 
 def _refuses(merge, node, root, what: str) -> None:
     before = _snapshot(root)
-    try:
-        merge(node)
-    except ValueError:
-        pass
-    except Exception as exc:
-        raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}; expected "
-                             "ValueError") from exc
-    else:
-        expect(False, f"{what} returned normally; expected ValueError.")
+    expect_value_error(what, merge, node)
     expect(_snapshot(root) == before, f"{what} raised ValueError but changed the tree first.",
            "Decide whether the merge is possible before you change anything.")
 
@@ -170,15 +162,7 @@ def check_split_with_stats(split_with_stats: Callable[[RadixNode, int, dict], Ra
         root, (node, child) = _chain(page, [1, 2, 3, 4, 5, 6], [7, 8])
         stats = {node.id: torch.tensor(hits_list), child.id: torch.tensor([1, 0])}
         what = f"split_with_stats(node of length 6, {bad}) with page_size {page}"
-        try:
-            split_with_stats(node, bad, stats)
-        except ValueError:
-            pass
-        except Exception as exc:
-            raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}; expected "
-                                 "ValueError") from exc
-        else:
-            expect(False, f"{what} returned normally; expected ValueError.")
+        expect_value_error(what, split_with_stats, node, bad, stats)
         have = {k: as_int_list(v) for k, v in stats.items()}
         expect(have == {node.id: hits_list, child.id: [1, 0]},
                f"{what} raised ValueError but left the statistics as {have}, expected "

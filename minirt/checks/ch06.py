@@ -12,7 +12,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
-from ._common import call_reader, checker, expect, passed, same_int
+from ._common import call_reader, checker, expect, lcp, passed, same_int
 
 __all__ = [
     "check_admission_steps",
@@ -28,15 +28,6 @@ __all__ = [
 Turn = tuple[Sequence[int], Sequence[int]]
 
 
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def chat_plan_reference(turns: Sequence[Turn], page_size: int) -> list[tuple[int, int]]:
     """(cached, computed) per request for an engine with an unbounded cache serving
     ``turns`` (prompt, output) one after another."""
@@ -44,7 +35,7 @@ def chat_plan_reference(turns: Sequence[Turn], page_size: int) -> list[tuple[int
     plan = []
     for prompt, output in turns:
         prompt = list(prompt)
-        best = max((_lcp(prompt[:-1], h) for h in held), default=0)
+        best = max((lcp(prompt[:-1], h) for h in held), default=0)
         cached = best - best % page_size
         plan.append((cached, len(prompt) - cached))
         with_kv = prompt + list(output)[:-1]  # the last output token never got K/V
