@@ -153,3 +153,12 @@ def expect_value_error(what: str, fn, *args) -> None:
         raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}; expected "
                              "ValueError") from exc
     expect(False, f"{what} returned normally; expected ValueError.")
+
+
+def as_permutation(got, n: int) -> list[int] | None:
+    """``got`` as a list of ints if it orders the indices 0..n-1 (each once); else None."""
+    try:
+        order = [int(i) for i in got]
+    except (TypeError, ValueError):
+        return None
+    return order if sorted(order) == list(range(n)) else None

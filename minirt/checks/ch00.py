@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ._common import call_reader, checker, expect, lcp, passed, same_int
+from ._common import as_permutation, call_reader, checker, expect, lcp, passed, same_int
 
 __all__ = [
     "check_best_order",
@@ -143,11 +143,8 @@ def check_best_order(best_order: Callable[[list[list[int]]], Sequence[int]]) -> 
     for name, workload in ORDER_WORKLOADS:
         call = f"best_order({workload})"
         got = call_reader(call, best_order, [list(r) for r in workload])
-        try:
-            order = [int(i) for i in got]
-        except (TypeError, ValueError):
-            order = None
-        expect(order is not None and sorted(order) == list(range(len(workload))),
+        order = as_permutation(got, len(workload))
+        expect(order is not None,
                f"{call} ({name}) returned {got!r}; expected a list of the request indices "
                f"0..{len(workload) - 1}, each once (for example [2, 0, 1]).")
         reordered = [workload[i] for i in order]

@@ -12,7 +12,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
-from ._common import call_reader, checker, expect, lcp, passed, same_int
+from ._common import as_permutation, call_reader, checker, expect, lcp, passed, same_int
 
 __all__ = [
     "check_admission_steps",
@@ -140,11 +140,8 @@ def check_best_ttft_order(best_ttft_order: Callable[[list[tuple[int, int]], Step
         call = (f"best_ttft_order({requests}, step_time) ({name}; step_time(prompt_len, "
                 f"cached_len) = {formula})")
         got = call_reader(call, best_ttft_order, list(requests), step_time)
-        try:
-            order = [int(i) for i in got]
-        except (TypeError, ValueError):
-            order = None
-        expect(order is not None and sorted(order) == list(range(len(requests))),
+        order = as_permutation(got, len(requests))
+        expect(order is not None,
                f"{call} returned {got!r}; expected the indices 0..{len(requests) - 1} in the "
                "order to serve them, each once, e.g. [2, 0, 1].")
         best = min(_mean_ttft(requests, perm, step_time)
