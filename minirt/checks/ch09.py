@@ -1,0 +1,140 @@
+"""Checkers for chapter 09: when loading back beats recomputing, the replica the router
+picks, the hits a write policy gives, and how far to spread a hot prefix.
+
+Each checker runs the reader's function on inputs of its own, compares with a reference
+(computed here, or by ``minirt.router`` and ``minirt.tiers``) and names the first input
+that disagrees. A second failure of the same exercise adds a nudge toward the idea.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from ._common import call_reader, checker, expect, passed, same_int
+
+__all__ = ["check_best_replication", "check_load_break_even"]
+
+
+# ---------------------------------------------------------------- 9.1 load or recompute
+
+def _recompute_cost(h: int, prefill: float, attn: float, before: int) -> float:
+    # Token j of the h (0-based) attends to the `before` tokens, the j earlier ones and itself.
+    return h * prefill + attn * (h * before + h * (h + 1) / 2)
+
+
+def load_break_even(latency: float, copy_per_token: float, prefill_per_token: float,
+                    attn_per_pair: float, cached_before: int) -> int | None:
+    """Reference for 9.1: the fewest host tokens whose load-back is strictly cheaper than
+    recomputing them, or None if loading never wins."""
+    if attn_per_pair == 0 and prefill_per_token <= copy_per_token:
+        return None
+    h = 1
+    while latency + h * copy_per_token >= _recompute_cost(h, prefill_per_token, attn_per_pair,
+                                                          cached_before):
+        h += 1
+    return h
+
+
+BREAK_EVEN_CASES = [
+    # (latency, copy_per_token, prefill_per_token, attn_per_pair, cached_before)
+    (10.0, 1.0, 3.0, 0.0, 0),  # a tie at h = 5: loading must be *strictly* cheaper
+    (10.0, 1.0, 3.0, 0.0, 100),  # no attention term: what came before does not matter
+    (10.0, 3.0, 3.0, 0.0, 0),  # copying costs as much as computing: never
+    (10.0, 4.0, 3.0, 0.0, 0),  # copying costs more: never
+    (100.0, 4.0, 3.0, 0.5, 0),  # attention makes recompute grow faster than any copy
+    (100.0, 4.0, 3.0, 0.5, 40),  # ... and sooner after a long cached prefix
+    (0.0, 1.0, 2.0, 0.0, 0),  # no latency: one token already pays
+    (20e-6, 0.05e-6, 2.5e-3, 0.0, 0),  # a CPU: copy ~0.05 us/token, prefill ~2.5 ms/token
+    (50e-6, 0.4e-6, 1e-6, 1e-10, 4096),  # a GPU over PCIe: prefill is fast, copies are not
+    (1e-3, 2e-6, 1e-6, 1e-9, 0),  # copying is slower per token; attention decides late
+]
+
+_NUDGE_91 = ("Write both costs as functions of h and compare them for h = 1, 2, ...: "
+             "the latency is paid once, the copy and prefill per token, and the attention "
+             "cost of a recomputed token grows with everything before it. When can the "
+             "difference never become positive?")
+
+
+@checker("9.1", _NUDGE_91)
+def check_load_break_even(fn: Callable) -> None:
+    """Exercise 9.1: ``fn(latency, copy_per_token, prefill_per_token, attn_per_pair,
+    cached_before)`` -> the smallest h, or None."""
+    for args in BREAK_EVEN_CASES:
+        want = load_break_even(*args)
+        got = call_reader(f"load_break_even{args}", fn, *args)
+        ok = got is None if want is None else same_int(got, want)
+        expect(ok, f"load_break_even(latency={args[0]}, copy_per_token={args[1]}, "
+                   f"prefill_per_token={args[2]}, attn_per_pair={args[3]}, "
+                   f"cached_before={args[4]}) returned {got!r}; expected {want!r}.")
+    passed("9.1", f"{len(BREAK_EVEN_CASES)} break-even points, including two where loading "
+                  "never wins")
+
+
+# ---------------------------------------------------------------- 9.4 spreading a hot prefix
+
+def spread_loads(k: int, n_hot: int, prefix_len: int, suffix_len: int, n_cold: int,
+                 cold_len: int, replicas: int) -> list[int]:
+    """Prefill tokens each replica computes when the hot tenant is spread over ``k``."""
+    loads = [0] * replicas
+    q, r = divmod(n_hot, k)
+    for i in range(k):
+        count = q + (i < r)
+        if count:
+            loads[i] += prefix_len + count * suffix_len
+    heap = [(load, i) for i, load in enumerate(loads)]
+    heapq.heapify(heap)
+    for _ in range(n_cold):
+        load, i = heapq.heappop(heap)
+        loads[i] = load + cold_len
+        heapq.heappush(heap, (loads[i], i))
+    return loads
+
+
+def best_replication(n_hot: int, prefix_len: int, suffix_len: int, n_cold: int,
+                     cold_len: int, replicas: int) -> tuple[int, int, int]:
+    """Reference for 9.4: (k, busiest replica's tokens, total tokens) for the best k."""
+    best = None
+    for k in range(1, replicas + 1):
+        loads = spread_loads(k, n_hot, prefix_len, suffix_len, n_cold, cold_len, replicas)
+        key = (max(loads), sum(loads), k)
+        if best is None or key < best:
+            best = key
+    makespan, total, k = best
+    return k, makespan, total
+
+
+REPLICATION_CASES = [
+    # (n_hot, prefix_len, suffix_len, n_cold, cold_len, replicas)
+    (12, 400, 20, 0, 0, 4),  # only the hot tenant: spread, paying the prefix per replica
+    (12, 400, 20, 8, 100, 4),
+    (3, 1000, 10, 30, 100, 4),  # a long prefix, few hot requests: keep them together
+    (40, 200, 50, 4, 60, 4),  # many hot requests: spread them
+    (5, 100, 10, 0, 0, 8),  # more replicas than it pays to use
+    (7, 50, 50, 3, 500, 3),  # long cold requests dominate
+    (1, 100, 10, 5, 10, 2),
+    (20, 600, 30, 20, 300, 4),
+]
+
+_NUDGE_94 = ("Try every k from 1 to the number of replicas and compute each replica's "
+             "tokens: a replica that gets hot requests computes the prefix once, and each "
+             "cold request then goes to whichever replica has the least so far. Among "
+             "equal busiest loads, prefer fewer tokens in all.")
+
+
+@checker("9.4", _NUDGE_94)
+def check_best_replication(fn: Callable) -> None:
+    """Exercise 9.4: ``fn(n_hot, prefix_len, suffix_len, n_cold, cold_len, replicas)`` ->
+    ``(k, busiest, total)``."""
+    for args in REPLICATION_CASES:
+        want = best_replication(*args)
+        got = call_reader(f"best_replication{args}", fn, *args)
+        try:
+            ok = len(got) == 3 and all(same_int(g, w) for g, w in zip(got, want, strict=True))
+        except TypeError:
+            ok = False
+        expect(ok, f"best_replication(n_hot={args[0]}, prefix_len={args[1]}, "
+                   f"suffix_len={args[2]}, n_cold={args[3]}, cold_len={args[4]}, "
+                   f"replicas={args[5]}) returned {got!r}; expected (k, busiest, total) = "
+                   f"{want}.")
+    passed("9.4", f"the best spread of {len(REPLICATION_CASES)} skewed workloads")

@@ -1,0 +1,113 @@
+"""Chapter 09 checkers: each accepts a right answer, rejects plausible wrong ones, and adds
+a nudge on a repeated failure."""
+
+from __future__ import annotations
+
+import heapq
+
+import pytest
+
+import minirt.checks as checks
+from minirt.checks._common import reset_attempts
+
+
+@pytest.fixture(autouse=True)
+def fresh_hints():
+    reset_attempts()
+    yield
+    reset_attempts()
+
+
+# ---------------------------------------------------------------- Exercise 9.1
+
+def _make_break_even(strict=True, use_latency=True, use_before=True, self_pair=True,
+                     never=None):
+    def fn(latency, copy, prefill, attn, before):
+        if attn == 0 and prefill <= copy:
+            return never
+        h = 1
+        while True:
+            pairs = h * (h + 1) / 2 if self_pair else h * (h - 1) / 2
+            recompute = h * prefill + attn * (h * (before if use_before else 0) + pairs)
+            load = (latency if use_latency else 0) + h * copy
+            if (load < recompute) if strict else (load <= recompute):
+                return h
+            h += 1
+    return fn
+
+
+def test_break_even_accepts_the_reference(capsys):
+    checks.check_load_break_even(_make_break_even())
+    assert capsys.readouterr().out.startswith("Exercise 9.1 passed")
+
+
+@pytest.mark.parametrize("wrong", [
+    _make_break_even(strict=False),  # a tie counted as a win
+    _make_break_even(use_latency=False),  # the fixed cost of a transfer forgotten
+    _make_break_even(use_before=False),  # attention to the cached prefix forgotten
+    _make_break_even(self_pair=False),  # a token does not attend to itself
+    _make_break_even(never=0),  # 0 instead of None when loading never wins
+])
+def test_break_even_rejects_wrong_answers(wrong):
+    with pytest.raises(AssertionError, match="load_break_even"):
+        checks.check_load_break_even(wrong)
+
+
+def test_break_even_hints_escalate():
+    wrong = _make_break_even(use_latency=False)
+    with pytest.raises(AssertionError) as first:
+        checks.check_load_break_even(wrong)
+    assert "Hint" not in str(first.value) and "expected" in str(first.value)
+    with pytest.raises(AssertionError) as second:
+        checks.check_load_break_even(wrong)
+    assert "Hint" in str(second.value)
+
+
+# ---------------------------------------------------------------- Exercise 9.4
+
+def _make_replication(prefix_per_replica=True, balance_cold=True, tie_total=True,
+                      only=None):
+    def loads_for(k, n_hot, p, s, n_cold, c, replicas):
+        loads = [0] * replicas
+        q, r = divmod(n_hot, k)
+        for i in range(k):
+            count = q + (i < r)
+            if count:
+                loads[i] += (p if prefix_per_replica else (p if i == 0 else 0)) + count * s
+        if balance_cold:
+            heap = [(x, i) for i, x in enumerate(loads)]
+            heapq.heapify(heap)
+            for _ in range(n_cold):
+                x, i = heapq.heappop(heap)
+                loads[i] = x + c
+                heapq.heappush(heap, (loads[i], i))
+        else:  # round-robin over all replicas
+            for j in range(n_cold):
+                loads[j % replicas] += c
+        return loads
+
+    def fn(n_hot, p, s, n_cold, c, replicas):
+        ks = [only if only else k for k in range(1, replicas + 1)]
+        best = None
+        for k in ks:
+            loads = loads_for(min(k, replicas), n_hot, p, s, n_cold, c, replicas)
+            key = (max(loads), sum(loads) if tie_total else 0, k)
+            best = key if best is None or key < best else best
+        return best[2], best[0], sum(loads_for(best[2], n_hot, p, s, n_cold, c, replicas))
+    return fn
+
+
+def test_replication_accepts_the_reference(capsys):
+    checks.check_best_replication(_make_replication())
+    assert capsys.readouterr().out.startswith("Exercise 9.4 passed")
+
+
+@pytest.mark.parametrize("wrong", [
+    _make_replication(only=1),  # pure cache affinity: never spread
+    _make_replication(only=99),  # round-robin: always spread over every replica
+    _make_replication(prefix_per_replica=False),  # the prefix counted once in all
+    _make_replication(balance_cold=False),  # cold requests dealt round-robin
+])
+def test_replication_rejects_wrong_answers(wrong):
+    with pytest.raises(AssertionError, match="best_replication"):
+        checks.check_best_replication(wrong)
