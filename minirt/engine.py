@@ -36,7 +36,7 @@ from functools import partial
 import torch
 
 from .cache import MatchResult, PrefixCache, RadixCache, as_ids, check_salt
-from .errors import InvalidIdsError, RequestError
+from .errors import InvalidIdsError, RequestError, TierError
 from .eviction import EvictionPolicy
 from .lifecycle import Lifecycle, node_path
 from .lifecycle import Request as LifecycleRequest
@@ -99,6 +99,8 @@ class RequestMetrics:
 
     ``ttft``: arrival to first output token (queueing + its own prefill);
     ``prefill_time``: its own prefill forward pass alone; ``latency``: arrival to finish.
+    ``loaded_tokens``: the part of ``cached_tokens`` loaded back from a host tier for it
+    (chapter 09; 0 without one).
     """
 
     prompt_tokens: int
@@ -107,6 +109,12 @@ class RequestMetrics:
     ttft: float
     prefill_time: float
     latency: float
+    loaded_tokens: int = 0
+
+    @property
+    def device_hit_tokens(self) -> int:
+        """Prompt tokens found on the device (cached, not loaded back from the host)."""
+        return self.cached_tokens - self.loaded_tokens
 
     @property
     def computed_tokens(self) -> int:
@@ -139,7 +147,8 @@ class Totals:
 
     ``hit_rate`` = cached / prompt tokens. ``unique_bound``: distinct prompt prefixes
     (chapter 03), the fewest prompt tokens any prefix cache computes when every
-    prompt's K/V comes from prefill.
+    prompt's K/V comes from prefill. ``loaded_tokens``: the part of ``cached_tokens``
+    loaded back from a host tier (chapter 09).
     """
 
     requests: int
@@ -151,10 +160,16 @@ class Totals:
     unique_bound: int
     evicted_tokens: int = 0
     wall_time: float = 0.0
+    loaded_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_tokens(self) -> int:
+        """Cached prompt tokens found on the device (not loaded back from the host)."""
+        return self.cached_tokens - self.loaded_tokens
 
     @property
     def computed_over_bound(self) -> float:
@@ -166,7 +181,8 @@ class Totals:
                 f"{self.prompt_tokens}, cached {self.cached_tokens} (hit rate "
                 f"{self.hit_rate:.3f}), computed {self.computed_tokens} vs unique bound "
                 f"{self.unique_bound}, output {self.output_tokens}, evicted "
-                f"{self.evicted_tokens}")
+                f"{self.evicted_tokens}"
+                + (f", loaded from host {self.loaded_tokens}" if self.loaded_tokens else ""))
 
 
 def summarize(results: Sequence[RequestResult], evicted_tokens: int = 0,
@@ -184,6 +200,7 @@ def summarize(results: Sequence[RequestResult], evicted_tokens: int = 0,
         unique_bound=unique_prefix_count([r.prompt_ids for r in served]),
         evicted_tokens=evicted_tokens,
         wall_time=wall_time,
+        loaded_tokens=sum(x.loaded_tokens for x in m),
     )
 
 
@@ -255,6 +272,7 @@ class RequestHandle:
     stopped: bool = False       # one of request.stop appeared in the output
     ttft: float = 0.0
     prefill_time: float = 0.0
+    loaded_tokens: int = 0      # prompt tokens loaded back from a host tier at admission
 
     @property
     def done(self) -> bool:
@@ -298,21 +316,44 @@ class Engine:
     the default "fcfs" admits in arrival order. ``cache``: "radix" (the tree, evicting by
     ``policy``) or "hash" (vLLM's hashed blocks of ``page_size`` tokens, free-queue order).
     The engine is not thread-safe: one thread calls ``submit``, ``cancel`` and ``step``
-    (``minirt.serve`` runs it in one).
+    (``minirt.serve`` runs it in one). ``host_capacity`` (tokens; default None: no host
+    tier) puts chapter 09's host tier under the pool: ``cache`` and ``host_tier`` are then
+    a ``minirt.tiers.HiRadixCache`` with ``write_policy`` and ``write_through_threshold``
+    (``host_tier`` is None without one); bad tier settings raise TierError.
     """
 
     def __init__(self, model, tokenizer=None, capacity: int = 8192, page_size: int = 1,
                  policy: str | EvictionPolicy = "lru", use_cache: bool = True,
                  token_budget: int = 2048, check: bool = False,
-                 schedule: str | Scheduler = "fcfs", cache: str = "radix") -> None:
+                 schedule: str | Scheduler = "fcfs", cache: str = "radix",
+                 host_capacity: int | None = None, write_policy: str = "write_through",
+                 write_through_threshold: int = 1) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) \
                 or token_budget < 1:
             raise RequestError(f"token_budget must be a positive int, got {token_budget!r}")
+        if host_capacity is not None:
+            from .tiers import check_tier_settings  # chapter 09's module, loaded when asked for
+
+            check_tier_settings(capacity, host_capacity, page_size, write_policy,
+                                write_through_threshold)
+            if cache != "radix":
+                raise TierError(f"the host tier sits under the radix cache; cache={cache!r} "
+                                "has none")
         self.scheduler = make_scheduler(schedule)
         self.model, self.tokenizer = model, tokenizer
         self.pool = KVPool.for_model(model, capacity, page_size)
-        self.cache = _make_cache(cache, page_size, policy)
+        self.host_tier = None  # the cache itself when it has a host tier
+        if host_capacity is None:
+            self.cache = _make_cache(cache, page_size, policy)
+        else:
+            from .tiers import HiRadixCache
+
+            self.cache = self.host_tier = HiRadixCache(
+                self.pool, host_capacity, write_policy=write_policy,
+                write_through_threshold=write_through_threshold, policy=policy)
         self.lifecycle = _CountingLifecycle(model, self.pool, self.cache)
+        if self.host_tier is not None:  # load-backs make room the way admissions do
+            self.host_tier.make_room = self.lifecycle.make_room
         self.use_cache, self.token_budget, self.check = use_cache, token_budget, check
         config = model.config.get_text_config(decoder=True)
         self.vocab_size = int(config.vocab_size)
@@ -538,9 +579,21 @@ class Engine:
         is sampled from, and a cache holds K/V, not logits.
         """
         req = job.lc
+        extra = {} if self.host_tier is None else {"load_back": False}
         req.match = self.cache.match_prefix(req.prompt[:-1], priority=job.request.priority,
-                                            salt=req.salt)
+                                            salt=req.salt, **extra)
         return req.match
+
+    def _load_back(self, job: RequestHandle, match: MatchResult) -> None:
+        """With a host tier (chapter 09): load the host's part of an admitted request's
+        match into device slots, as SGLang loads back when it schedules a request. It
+        needs the slots computing those tokens would, so ``_fits`` holds as it was."""
+        if self.host_tier is None:
+            return
+        req = job.lc
+        req.match = self.host_tier.load_back(req.prompt[:-1], match,
+                                             priority=job.request.priority, salt=req.salt)
+        job.loaded_tokens += req.match.loaded_len
 
     def _fits(self, job: RequestHandle, match: MatchResult,
               running: Sequence[RequestHandle]) -> bool:
@@ -594,6 +647,7 @@ class Engine:
             waiting.popleft()
             budget = budget - uncached
             admitted.append(job)
+            self._load_back(job, match)
             self.lifecycle.admit(job.lc)  # lock + allocate the gap (evicting if short)
             t = time.perf_counter()
             self.lifecycle.prefill(job.lc)
@@ -664,7 +718,8 @@ class Engine:
             result.metrics = RequestMetrics(
                 prompt_tokens=int(req.prompt.numel()), cached_tokens=req.reused_len,
                 output_tokens=len(req.output), ttft=job.ttft,
-                prefill_time=job.prefill_time, latency=time.perf_counter() - job.arrival)
+                prefill_time=job.prefill_time, latency=time.perf_counter() - job.arrival,
+                loaded_tokens=job.loaded_tokens)
 
     def _check(self) -> None:
         if self.check:

@@ -53,3 +53,7 @@ class RequestError(MinirtError, ValueError):
 
 class ScheduleError(MinirtError, ValueError):
     """A scheduler setting that cannot work: unknown policy, negative or non-integer limits."""
+
+
+class TierError(MinirtError, ValueError):
+    """A host-tier setting that cannot work: unknown write policy, bad capacity or threshold."""

@@ -17,8 +17,8 @@ import graphviz
 
 from .radix import RadixNode
 
-__all__ = ["STYLE", "draw_designs", "draw_tree", "node_state", "path_to_root", "tree_dict",
-           "tree_nodes", "tree_text"]
+__all__ = ["STYLE", "TIER_STYLE", "draw_designs", "draw_tier_tree", "draw_tree", "node_state",
+           "path_to_root", "tier_tree_text", "tree_dict", "tree_nodes", "tree_text"]
 
 # Colours and shapes, in one place so the legend always matches the drawing.
 STYLE: dict[str, dict[str, str]] = {
@@ -240,4 +240,82 @@ def draw_designs(designs: Mapping[str, Sequence[tuple[str, str | None, Sequence[
                 box.node(f"d{i}_{name}", "\\n".join(_escape(ln) for ln in lines), **attrs)
                 if parent is not None:
                     box.edge(f"d{i}_{parent}", f"d{i}_{name}")
+    return graph
+
+
+# ---------------------------------------------------------------- two tiers (chapter 09)
+
+# Where a run of tokens keeps its K/V: the device pool, the host tier, or both.
+TIER_STYLE: dict[str, dict[str, str]] = {
+    "root": STYLE["root"],
+    "device": {"shape": "box", "style": "rounded,filled", "fillcolor": "#9ecae1"},
+    "host": {"shape": "box", "style": "rounded,filled,dashed", "fillcolor": "#fdd0a2"},
+    "both": {"shape": "box", "style": "rounded,filled", "fillcolor": "#c2a5cf"},
+}
+
+
+def _tier_root(tiers: Any) -> Any:
+    """The merged tree of a ``tiers.HiRadixCache`` (its ``residency()``) or a ``TierNode``."""
+    root = tiers.residency() if hasattr(tiers, "residency") else tiers
+    if not (hasattr(root, "tier") and hasattr(root, "children") and hasattr(root, "tokens")):
+        raise TypeError(f"draw a HiRadixCache or a TierNode, got {type(tiers).__name__}")
+    return root
+
+
+def tier_tree_text(tiers: Any, tokenizer: Any = None, max_tokens: int = 8) -> str:
+    """A plain-text outline of both tiers merged, one run a line, tagged [device], [host]
+    or [both] (a ``HiRadixCache`` or its ``residency()``)."""
+    lines = []
+    for depth, node in _tier_root(tiers).walk():
+        if node.tier == "root":
+            lines.append("root")
+            continue
+        ids = list(node.tokens)
+        tokens = _text(tokenizer, ids, max_tokens) if tokenizer else _shorten_ids(ids, max_tokens)
+        lines.append(f"{'    ' * depth}{tokens} [{node.tier}]")
+    return "\n".join(lines)
+
+
+def draw_tier_tree(tiers: Any, tokenizer: Any = None, max_tokens: int = 8, *,
+                   legend: bool = True, title: str | None = None,
+                   rankdir: str = "TB") -> graphviz.Digraph:
+    """A graphviz drawing of both tiers merged: each run of tokens coloured by where its K/V
+    lives (device, host, both). Deterministic ``.source``."""
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    graph = graphviz.Digraph("tiers")
+    graph.attr(rankdir=rankdir, fontname="Helvetica", fontsize="11")
+    graph.attr("node", fontname="Helvetica", fontsize="10")
+    graph.attr("edge", arrowsize="0.6")
+    if title:
+        graph.attr(label=_escape(title), labelloc="t")
+    counter = 0
+
+    def add(node: Any, parent: str | None) -> None:
+        nonlocal counter
+        name = f"n{counter}"
+        counter += 1
+        if node.tier == "root":
+            label = "root"
+        else:
+            ids = list(node.tokens)
+            text = _text(tokenizer, ids, max_tokens) if tokenizer else _shorten_ids(ids, max_tokens)
+            label = f"{_escape(text)}\\n{node.tier}, {len(ids)} tokens"
+        graph.node(name, label, **TIER_STYLE[node.tier])
+        if parent is not None:
+            graph.edge(parent, name)
+        for child in node.children:
+            add(child, name)
+
+    add(_tier_root(tiers), None)
+    if legend:
+        with graph.subgraph(name="cluster_legend") as box:
+            box.attr(label="legend", fontsize="10", style="dashed", color="#999999")
+            previous = None
+            for tier, text in (("device", "device only"), ("both", "device and host"),
+                               ("host", "host only (load back)")):
+                box.node(f"legend_{tier}", text, **TIER_STYLE[tier])
+                if previous:
+                    box.edge(previous, f"legend_{tier}", style="invis")
+                previous = f"legend_{tier}"
     return graph
