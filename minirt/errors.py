@@ -53,3 +53,8 @@ class RequestError(MinirtError, ValueError):
 
 class ScheduleError(MinirtError, ValueError):
     """A scheduler setting that cannot work: unknown policy, negative or non-integer limits."""
+
+
+class RouterError(MinirtError, ValueError):
+    """A router setting or call that cannot work: unknown policy, thresholds out of range,
+    a replica index that does not exist, ``done`` without a request in flight."""
