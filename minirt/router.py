@@ -557,11 +557,14 @@ def _check_number(name: str, value: Any, low: float, high: float | None = None) 
 @dataclass(frozen=True)
 class TenantChats:
     """Chats of several tenants: one system prompt per tenant and, per conversation, its
-    tenant and one user message per turn (the answers come from the model)."""
+    tenant and one user message per turn. ``replies``: canned assistant answers per turn
+    (for traces sent without waiting for the model, as ``workloads.multi_turn_chat``);
+    ``replay_replicas`` uses the model's own answers instead."""
 
     systems: list[str]
     tenant_of: list[int]
     users: list[list[str]]
+    replies: list[list[str]] = field(default_factory=list, repr=False)
 
     @property
     def num_conversations(self) -> int:
@@ -570,6 +573,16 @@ class TenantChats:
     @property
     def turns(self) -> int:
         return min(len(u) for u in self.users) if self.users else 0
+
+    def canned_messages(self, conversation: int, turn: int) -> list[dict[str, str]]:
+        """The messages of turn ``turn`` (from 0) with the canned replies as history."""
+        messages = [{"role": "system", "content": self.systems[self.tenant_of[conversation]]}]
+        for t in range(turn + 1):
+            messages.append({"role": "user", "content": self.users[conversation][t]})
+            if t < turn:
+                messages.append({"role": "assistant",
+                                 "content": self.replies[conversation][t]})
+        return messages
 
 
 _DESKS = ["Billing", "Returns", "Shipping", "Warranty", "Accounts", "Repairs", "Wholesale",
@@ -607,13 +620,14 @@ def tenant_chats(tokenizer, tenants: int = 4, conversations: int = 16, turns: in
     order = [t for t, c in enumerate(counts) for _ in range(c)]
     random.Random(f"tenants-{seed}").shuffle(order)
     used = [0] * tenants
-    users = []
+    users, replies = [], []
     for t in order:
         users.append(chats[t].users[used[t]])
+        replies.append(chats[t].replies[used[t]])
         used[t] += 1
     systems = [f"{_DESKS[t % len(_DESKS)]} desk (tenant {t}). {c.system}"
                for t, c in enumerate(chats)]
-    return TenantChats(systems, order, users)
+    return TenantChats(systems, order, users, replies)
 
 
 def chat_routing_text(messages: Sequence[dict[str, str]]) -> str:
