@@ -57,3 +57,8 @@ class ScheduleError(MinirtError, ValueError):
 
 class TierError(MinirtError, ValueError):
     """A host-tier setting that cannot work: unknown write policy, bad capacity or threshold."""
+
+
+class RouterError(MinirtError, ValueError):
+    """A router setting or call that cannot work: unknown policy, thresholds out of range,
+    a replica index that does not exist, ``done`` without a request in flight."""

@@ -51,6 +51,7 @@ class ReplayRecord:
     finish_reason: str | None = None
     text: str = ""
     error: str | None = None
+    server: str | None = None  # the system_fingerprint the answer carried, if any
     prompt_ids: list[int] = field(default_factory=list, repr=False)
 
 
@@ -201,6 +202,7 @@ async def _request(client, model: str, rec: ReplayRecord, t0: float, *, messages
                     rec.finish_reason = choice.finish_reason
             if chunk.usage is not None:
                 usage = chunk.usage
+            rec.server = getattr(chunk, "system_fingerprint", None) or rec.server
         rec.latency = time.perf_counter() - start
         rec.text = "".join(pieces)
         if usage is not None:

@@ -417,8 +417,13 @@ def _finish_reason(result: RequestResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def build_app(worker: EngineWorker, model_name: str, model_path: str):
-    """The FastAPI application serving ``worker``'s engine as ``model_name``."""
+def build_app(worker: EngineWorker, model_name: str, model_path: str,
+              server_id: str | None = None):
+    """The FastAPI application serving ``worker``'s engine as ``model_name``.
+
+    ``server_id``: sent as ``system_fingerprint`` in every completion and chunk, so a
+    client behind a router can tell which replica answered (omitted when None).
+    """
     app = FastAPI(title="minirt.serve", version="0.1",
                   description="A teaching server: OpenAI-compatible, one model, no auth.")
     tokenizer = worker.engine.tokenizer
@@ -489,9 +494,11 @@ def build_app(worker: EngineWorker, model_name: str, model_path: str):
         ident = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{stream.rid}-" \
                 f"{uuid.uuid4().hex[:8]}"
         if stream_flag:
-            events = _sse(worker, stream, endpoint, ident, created, model_name, include_usage)
+            events = _sse(worker, stream, endpoint, ident, created, model_name, include_usage,
+                          server_id)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await _complete(worker, stream, http, endpoint, ident, created, model_name)
+        return await _complete(worker, stream, http, endpoint, ident, created, model_name,
+                               server_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
@@ -505,8 +512,7 @@ def build_app(worker: EngineWorker, model_name: str, model_path: str):
 
 
 async def _complete(worker: EngineWorker, stream: Stream, http: HttpRequest, endpoint: str,
-                    ident: str,
-                    created: int, model_name: str):
+                    ident: str, created: int, model_name: str, server_id: str | None = None):
     """Wait for the whole answer (cancelling if the client goes away meanwhile)."""
     text = []
     try:
@@ -538,12 +544,16 @@ async def _complete(worker: EngineWorker, stream: Stream, http: HttpRequest, end
         choice = {"index": 0, "text": content, "finish_reason": _finish_reason(result),
                   "logprobs": None}
         obj = "text_completion"
-    return {"id": ident, "object": obj, "created": created, "model": model_name,
-            "choices": [choice], "usage": _usage(result)}
+    out = {"id": ident, "object": obj, "created": created, "model": model_name,
+           "choices": [choice], "usage": _usage(result)}
+    if server_id is not None:
+        out["system_fingerprint"] = server_id
+    return out
 
 
 async def _sse(worker: EngineWorker, stream: Stream, endpoint: str, ident: str,
-               created: int, model_name: str, include_usage: bool) -> AsyncIterator[str]:
+               created: int, model_name: str, include_usage: bool,
+               server_id: str | None = None) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
     If the client disconnects, the response task is cancelled and ``finally`` cancels the
@@ -564,6 +574,8 @@ async def _sse(worker: EngineWorker, stream: Stream, endpoint: str, ident: str,
                 "choices": [] if usage is not None else [choice]}
         if usage is not None:
             data["usage"] = usage
+        if server_id is not None:
+            data["system_fingerprint"] = server_id
         return f"data: {json.dumps(data)}\n\n"
 
     try:
@@ -625,12 +637,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policy", default="lru", help="eviction policy")
     p.add_argument("--device", default=None)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--server-id", default=None,
+                   help="sent as system_fingerprint, to tell replicas apart behind a router")
     args = p.parse_args(argv)
 
     worker, name, path = make_worker(args.model, args.capacity, args.page_size,
                                      args.token_budget, args.policy, args.device)
     name = args.served_model_name or name
-    app = build_app(worker, name, path)
+    app = build_app(worker, name, path, args.server_id)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
