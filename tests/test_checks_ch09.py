@@ -111,3 +111,54 @@ def test_replication_accepts_the_reference(capsys):
 def test_replication_rejects_wrong_answers(wrong):
     with pytest.raises(AssertionError, match="best_replication"):
         checks.check_best_replication(wrong)
+
+
+# ---------------------------------------------------------------- Exercise 9.2
+
+def _lcp(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _make_router(at_least=False, either=False, latest=False, no_balance=False):
+    def fn(events, n, threshold, abs_t, rel_t):
+        loads, sent, out = [0] * n, [], []
+        for kind, arg in events:
+            if kind == "done":
+                loads[arg] -= 1
+                continue
+            hi, lo = max(loads), min(loads)
+            gap, ratio = hi - lo > abs_t, hi > rel_t * lo
+            if not no_balance and ((gap or ratio) if either else (gap and ratio)):
+                r = loads.index(lo)
+            else:
+                best = max((_lcp(t, arg) for _, t in sent), default=0)
+                rate = best / len(arg) if arg else 0.0
+                if best and (rate >= threshold if at_least else rate > threshold):
+                    holders = [rep for rep, t in sent if t[:best] == arg[:best]]
+                    r = holders[-1] if latest else holders[0]
+                else:
+                    r = loads.index(min(loads))
+            loads[r] += 1
+            sent.append((r, arg))
+            out.append(r)
+        return out
+    return fn
+
+
+def test_route_trace_accepts_the_reference(capsys):
+    checks.check_route_trace(_make_router())
+    assert capsys.readouterr().out.startswith("Exercise 9.2 passed")
+
+
+@pytest.mark.parametrize("wrong", [
+    _make_router(at_least=True),  # a match rate equal to the threshold counted as a hit
+    _make_router(either=True),  # imbalanced when either test holds
+    _make_router(latest=True),  # the replica that received the prefix last
+    _make_router(no_balance=True),  # pure cache affinity
+])
+def test_route_trace_rejects_wrong_answers(wrong):
+    with pytest.raises(AssertionError, match="route_trace"):
+        checks.check_route_trace(wrong)

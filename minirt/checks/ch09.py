@@ -9,11 +9,12 @@ that disagrees. A second failure of the same exercise adds a nudge toward the id
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable
 
 from ._common import call_reader, checker, expect, passed, same_int
 
-__all__ = ["check_best_replication", "check_load_break_even"]
+__all__ = ["check_best_replication", "check_load_break_even", "check_route_trace"]
 
 
 # ---------------------------------------------------------------- 9.1 load or recompute
@@ -69,6 +70,109 @@ def check_load_break_even(fn: Callable) -> None:
                    f"cached_before={args[4]}) returned {got!r}; expected {want!r}.")
     passed("9.1", f"{len(BREAK_EVEN_CASES)} break-even points, including two where loading "
                   "never wins")
+
+
+# ---------------------------------------------------------------- 9.2 the router's choices
+
+def route_trace(events, num_replicas: int, cache_threshold: float, abs_threshold: int,
+                rel_threshold: float) -> list[int]:
+    """Reference for 9.2: ``minirt.router.CacheAwareRouter`` run on ``events``."""
+    from ..router import CacheAwareRouter
+
+    router = CacheAwareRouter(num_replicas, cache_threshold=cache_threshold,
+                              balance_abs_threshold=abs_threshold,
+                              balance_rel_threshold=rel_threshold)
+    out = []
+    for kind, arg in events:
+        if kind == "route":
+            out.append(router.route(arg))
+        else:
+            router.done(arg)
+    return out
+
+
+_SYS_A = "You are the librarian of Harbour Street. "
+_SYS_B = "You are a bicycle mechanic. "
+
+
+def _random_events(rng: random.Random, n: int, replicas: int) -> list[tuple[str, object]]:
+    """A random trace of routes and completions (each completion names a replica that has
+    a request in flight, as the reference routed it)."""
+    prefixes = ["abcdefgh", "abcdxyzw", "qrstuvwx", ""]
+    events: list[tuple[str, object]] = []
+    for _ in range(n):
+        live = _still_in_flight(events, replicas)
+        if live and rng.random() < 0.35:
+            events.append(("done", rng.choice(live)))
+        else:
+            tail = "".join(rng.choice("mnop") for _ in range(rng.randint(1, 6)))
+            events.append(("route", rng.choice(prefixes) + tail))
+    return events
+
+
+def _still_in_flight(events, replicas: int) -> list[int]:
+    chosen = iter(route_trace([e for e in events if e[0] == "route"], replicas, 0.5, 2, 1.5))
+    live: list[int] = []
+    for kind, arg in events:
+        if kind == "route":
+            live.append(next(chosen))
+        else:
+            live.remove(arg)
+    return live
+
+
+ROUTE_CASES = [
+    # (events, num_replicas, cache_threshold, balance_abs_threshold, balance_rel_threshold)
+    ([("route", _SYS_A + "Do you have atlases?"), ("route", _SYS_B + "My chain slips."),
+      ("route", _SYS_A + "When do you open?"), ("route", _SYS_B + "Brakes squeal.")],
+     3, 0.3, 64, 1.5),
+    # nothing in flight finishes: affinity until the loads drift apart
+    ([("route", _SYS_A + f"question {i}") for i in range(6)], 3, 0.3, 2, 1.5),
+    # the same, with completions in between: the loads never drift
+    ([e for i in range(6) for e in (("route", _SYS_A + f"question {i}"), ("done", 0))],
+     3, 0.3, 2, 1.5),
+    # a short request matches little of anything: least loaded
+    ([("route", _SYS_A + "a"), ("route", _SYS_B + "b"), ("route", "Hi"),
+      ("route", "You are")], 2, 0.3, 64, 1.5),
+    # a match rate exactly at the threshold does not count: least loaded instead
+    ([("route", "abcd"), ("route", "efgh"), ("route", "ijkl"), ("done", 1),
+      ("route", "abXY")], 2, 0.5, 64, 1.5),
+    # two replicas hold the matched prefix: the first to have received it wins
+    ([("route", "zzz"), ("route", "shared-prefix one"), ("route", "shared-prefix two"),
+      ("done", 0), ("done", 1), ("done", 2), ("route", "shared-prefix six")],
+     3, 0.3, 0, 1.0),
+    # the absolute gap alone is not enough: max must also exceed rel * min
+    ([("route", "xxxxxxxx1"), ("route", "yyyyyyyy1"), ("route", "xxxxxxxx2"),
+      ("route", "xxxxxxxx3"), ("route", "xxxxxxxx4"), ("route", "xxxxxxxx5")],
+     2, 0.3, 1, 3.0),
+]
+
+
+@checker("9.2", "Keep the router's own state: requests in flight per replica and every "
+                "text sent to each. Decide in this order: is the load imbalanced (both "
+                "tests)? if not, how much of the text matches what was sent before, and "
+                "is that strictly above the threshold? Then record the text.")
+def check_route_trace(fn: Callable) -> None:
+    """Exercise 9.2: ``fn(events, num_replicas, cache_threshold, balance_abs_threshold,
+    balance_rel_threshold)`` -> the replica of each routed request, in order."""
+    rng = random.Random(92)
+    cases = list(ROUTE_CASES) + [(_random_events(rng, 24, 3), 3, 0.5, 2, 1.5)
+                                 for _ in range(6)]
+    for events, n, ct, ab, rel in cases:
+        want = route_trace(events, n, ct, ab, rel)
+        got = call_reader("route_trace(...)", fn, list(events), n, ct, ab, rel)
+        try:
+            got_list = [int(x) for x in got]
+        except (TypeError, ValueError):
+            got_list = None
+        if got_list != want:
+            pairs = enumerate(zip(got_list or [], want, strict=False))
+            first = next((i for i, (g, w) in pairs if g != w), None)
+            where = "" if first is None else f" (first difference at routed request {first})"
+            expect(False, f"route_trace(events={events}, num_replicas={n}, cache_threshold="
+                          f"{ct}, balance_abs_threshold={ab}, balance_rel_threshold={rel}) "
+                          f"returned {got!r}; expected {want}{where}.")
+    passed("9.2", f"the router's choices on {len(cases)} traces")
 
 
 # ---------------------------------------------------------------- 9.4 spreading a hot prefix
