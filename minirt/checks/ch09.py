@@ -95,30 +95,27 @@ _SYS_A = "You are the librarian of Harbour Street. "
 _SYS_B = "You are a bicycle mechanic. "
 
 
-def _random_events(rng: random.Random, n: int, replicas: int) -> list[tuple[str, object]]:
-    """A random trace of routes and completions (each completion names a replica that has
-    a request in flight, as the reference routed it)."""
+def _random_events(rng: random.Random, n: int, replicas: int, threshold: float,
+                   abs_threshold: int, rel_threshold: float) -> list[tuple[str, object]]:
+    """A random trace of routes and completions; each completion names a replica that has
+    a request in flight (as the reference routes them)."""
+    from ..router import CacheAwareRouter
+
+    router = CacheAwareRouter(replicas, cache_threshold=threshold,
+                              balance_abs_threshold=abs_threshold,
+                              balance_rel_threshold=rel_threshold)
     prefixes = ["abcdefgh", "abcdxyzw", "qrstuvwx", ""]
     events: list[tuple[str, object]] = []
     for _ in range(n):
-        live = _still_in_flight(events, replicas)
+        live = [r for r in range(replicas) if router.loads[r]]
         if live and rng.random() < 0.35:
             events.append(("done", rng.choice(live)))
+            router.done(events[-1][1])
         else:
             tail = "".join(rng.choice("mnop") for _ in range(rng.randint(1, 6)))
             events.append(("route", rng.choice(prefixes) + tail))
+            router.route(events[-1][1])
     return events
-
-
-def _still_in_flight(events, replicas: int) -> list[int]:
-    chosen = iter(route_trace([e for e in events if e[0] == "route"], replicas, 0.5, 2, 1.5))
-    live: list[int] = []
-    for kind, arg in events:
-        if kind == "route":
-            live.append(next(chosen))
-        else:
-            live.remove(arg)
-    return live
 
 
 ROUTE_CASES = [
@@ -156,7 +153,7 @@ def check_route_trace(fn: Callable) -> None:
     """Exercise 9.2: ``fn(events, num_replicas, cache_threshold, balance_abs_threshold,
     balance_rel_threshold)`` -> the replica of each routed request, in order."""
     rng = random.Random(92)
-    cases = list(ROUTE_CASES) + [(_random_events(rng, 24, 3), 3, 0.5, 2, 1.5)
+    cases = list(ROUTE_CASES) + [(_random_events(rng, 24, 3, 0.5, 2, 1.5), 3, 0.5, 2, 1.5)
                                  for _ in range(6)]
     for events, n, ct, ab, rel in cases:
         want = route_trace(events, n, ct, ab, rel)
