@@ -162,3 +162,66 @@ def test_route_trace_accepts_the_reference(capsys):
 def test_route_trace_rejects_wrong_answers(wrong):
     with pytest.raises(AssertionError, match="route_trace"):
         checks.check_route_trace(wrong)
+
+
+# ---------------------------------------------------------------- Exercise 9.3
+
+def _make_tiers(reset_hits=True, recount=False, refresh=True, strict=False,
+                load_is_insert=True):
+    def fn(trace, device_docs, policy, threshold):
+        device, hits, on_host = [], {}, set()
+        counts = [0, 0, 0, 0]
+
+        def write(x):
+            if recount or x not in on_host:
+                counts[3] += 1
+            on_host.add(x)
+
+        def enter(x):
+            if len(device) == device_docs:
+                victim = device.pop(0)
+                if reset_hits:
+                    hits.pop(victim, None)
+                if policy == "write_back":
+                    write(victim)
+            device.append(x)
+            hits.setdefault(x, 0)
+
+        for x in trace:
+            if x in device:
+                counts[0] += 1
+                if refresh:
+                    device.remove(x)
+                    device.append(x)
+                hits[x] += 1
+                hot = hits[x] > threshold if strict else hits[x] >= threshold
+                if policy == "write_through_selective" and hot:
+                    write(x)
+            elif x in on_host:
+                counts[1] += 1
+                if load_is_insert:
+                    enter(x)
+            else:
+                counts[2] += 1
+                enter(x)
+                if policy == "write_through":
+                    write(x)
+        return tuple(counts)
+    return fn
+
+
+def test_tier_counts_accepts_the_reference(capsys):
+    checks.check_tier_counts(_make_tiers())
+    assert capsys.readouterr().out.startswith("Exercise 9.3 passed")
+
+
+@pytest.mark.parametrize("wrong", [
+    _make_tiers(reset_hits=False),  # hit counts survive an eviction
+    _make_tiers(recount=True),  # a document already on the host is copied again
+    _make_tiers(refresh=False),  # a device hit does not refresh LRU (FIFO)
+    _make_tiers(strict=True),  # written only after more than `threshold` hits
+    _make_tiers(load_is_insert=False),  # a host hit served from the host, not loaded back
+])
+def test_tier_counts_rejects_wrong_answers(wrong):
+    with pytest.raises(AssertionError, match="tier_counts"):
+        checks.check_tier_counts(wrong)

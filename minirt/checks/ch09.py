@@ -12,9 +12,12 @@ import heapq
 import random
 from collections.abc import Callable
 
+import torch
+
 from ._common import call_reader, checker, expect, passed, same_int
 
-__all__ = ["check_best_replication", "check_load_break_even", "check_route_trace"]
+__all__ = ["check_best_replication", "check_load_break_even", "check_route_trace",
+           "check_tier_counts"]
 
 
 # ---------------------------------------------------------------- 9.1 load or recompute
@@ -170,6 +173,82 @@ def check_route_trace(fn: Callable) -> None:
                           f"{ct}, balance_abs_threshold={ab}, balance_rel_threshold={rel}) "
                           f"returned {got!r}; expected {want}{where}.")
     passed("9.2", f"the router's choices on {len(cases)} traces")
+
+
+# ---------------------------------------------------------------- 9.3 a write policy's hits
+
+DOC_LEN = 3  # tokens per document in the reference run (any length gives the same counts)
+
+
+def tier_counts(trace, device_docs: int, policy: str, threshold: int) -> tuple[int, int, int, int]:
+    """Reference for 9.3: ``minirt.tiers.HiRadixCache`` serving ``trace`` (document ids),
+    each document ``DOC_LEN`` tokens no other shares, the device holding ``device_docs`` of
+    them and the host all of them. (device hits, host hits, misses, documents written)."""
+    from ..pool import KVPool
+    from ..tiers import HiRadixCache
+
+    docs = sorted(set(trace))
+    pool = KVPool(1, 1, 1, device_docs * DOC_LEN, 1)
+    cache = HiRadixCache(pool, max(len(docs), device_docs) * DOC_LEN, write_policy=policy,
+                         write_through_threshold=threshold)
+    device = host = miss = 0
+    for doc in trace:
+        ids = [1000 + doc] + [doc] * (DOC_LEN - 1)
+        m = cache.match_prefix(ids)
+        device += m.device_len == DOC_LEN
+        host += m.loaded_len == DOC_LEN
+        miss += m.cached_len == 0
+        gap = DOC_LEN - m.cached_len
+        cache.lock(m.handle)
+        cache.make_room(gap)
+        cache.insert_prefix(ids, torch.cat([m.indices, pool.alloc(gap)]))
+        cache.unlock(m.handle)
+    return device, host, miss, cache.tier_stats.written_tokens // DOC_LEN
+
+
+TIER_CASES = [
+    # (trace, device_docs, policy, threshold)
+    ([0, 1, 2, 0, 1, 2], 2, "write_back", 1),  # LRU cycles: nothing survives on the device
+    ([0, 1, 2, 0, 1, 2], 2, "write_through", 1),
+    ([0, 1, 2, 0, 1, 2], 2, "write_through_selective", 2),
+    ([0, 0, 1, 2, 0], 2, "write_through_selective", 2),  # one device hit is not enough
+    ([0, 0, 0, 1, 2, 0], 2, "write_through_selective", 2),  # the second hit writes it
+    ([0, 1, 0, 2, 3, 0, 1], 2, "write_back", 1),
+    ([0, 1, 0, 2, 3, 0, 1], 2, "write_through", 1),
+    ([0, 0, 1, 1, 2, 0, 0, 3, 0], 1, "write_through_selective", 2),  # hits reset on leaving
+    ([0, 1, 2, 3, 0, 1, 2, 3], 3, "write_back", 1),
+    ([0, 1, 0, 1, 2, 0], 2, "write_through_selective", 1),
+]
+
+_NUDGE_93 = ("Keep the device as a list in LRU order and the host as a set. Ask for each "
+             "request: on the device? on the host? neither? Then ask what each policy copies "
+             "and when: at a miss, at an eviction, or at the k-th hit since the document last "
+             "entered the device. A document already on the host is not copied again.")
+
+
+@checker("9.3", _NUDGE_93)
+def check_tier_counts(fn: Callable) -> None:
+    """Exercise 9.3: ``fn(trace, device_docs, policy, threshold)`` -> (device hits, host
+    hits, misses, documents written to the host)."""
+    rng = random.Random(93)
+    cases = list(TIER_CASES)
+    for _ in range(30):
+        trace = [rng.randrange(4) for _ in range(rng.randint(4, 12))]
+        cases.append((trace, rng.randint(1, 3), rng.choice(
+            ["write_back", "write_through", "write_through_selective"]), rng.randint(1, 3)))
+    for trace, d, policy, k in cases:
+        want = tier_counts(trace, d, policy, k)
+        got = call_reader(f"tier_counts({trace}, {d}, {policy!r}, {k})", fn,
+                          list(trace), d, policy, k)
+        try:
+            ok = len(got) == 4 and all(same_int(g, w) for g, w in zip(got, want, strict=True))
+        except TypeError:
+            ok = False
+        expect(ok, f"tier_counts(trace={trace}, device_docs={d}, policy={policy!r}, "
+                   f"threshold={k}) returned {got!r}; expected (device hits, host hits, "
+                   f"misses, written) = {want}.")
+    passed("9.3", f"{len(cases)} traces under all three write policies, counted as "
+                  "minirt.tiers counts them")
 
 
 # ---------------------------------------------------------------- 9.4 spreading a hot prefix
