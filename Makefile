@@ -2,7 +2,7 @@
 #   make book   build the environment, fetch the model once, execute every chapter
 #   make test   build the environment, fetch the model once, run every check (BOOK.md section 7)
 # Other targets: lab, html, test-browser, test-gpu, exercises, model, env, clean,
-#   peer-vllm (optional: vLLM side by side).
+#   peer-vllm (optional: vLLM side by side), router-demo and test-router (SGLang's router).
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -22,7 +22,7 @@ SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))
 BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
 .PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean \
-        html test-browser peer-vllm
+        html test-browser peer-vllm router-demo test-router
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -93,5 +93,23 @@ $(VLLM_VENV)/.installed:
 peer-vllm: model $(VLLM_VENV)/.installed
 	TQDM_DISABLE=1 $(BIN)/python benchmarks/vs_vllm.py
 
+# SGLang's own router (PyPI sglang-router, a Rust binary in a wheel of about 30 MB, no torch)
+# in its own venv, in front of minirt.serve replicas; `make test-router` (called by .ci/run)
+# checks what `make router-demo` prints.
+ROUTER_VENV ?= .venv-router
+ROUTER_SPEC ?= sglang-router==0.3.2
+$(ROUTER_VENV)/.installed:
+	$(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(ROUTER_VENV)/bin/python -m pip install --quiet "$(ROUTER_SPEC)"
+	touch $@
+
+router-demo: model $(ROUTER_VENV)/.installed
+	TQDM_DISABLE=1 $(BIN)/python tools/router_demo.py --router-python $(ROUTER_VENV)/bin/python
+
+test-router: model $(ROUTER_VENV)/.installed
+	TQDM_DISABLE=1 ROUTER_PYTHON=$(ROUTER_VENV)/bin/python $(BIN)/python -m pytest -q --router \
+	    tests/router
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis _build
+	rm -rf $(VENV) $(ROUTER_VENV) .pytest_cache .hypothesis _build

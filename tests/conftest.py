@@ -36,10 +36,15 @@ def tiny64():
 def pytest_addoption(parser):
     parser.addoption("--browser", action="store_true", default=False,
                      help="also run tests/browser (needs `make html` and Chromium)")
+    parser.addoption("--router", action="store_true", default=False,
+                     help="also run tests/router (SGLang's router: `make test-router`)")
 
 
 def pytest_ignore_collect(collection_path, config):
     """tests/browser drives a real Chromium for minutes: only `make test-browser` runs it."""
     if collection_path.name == "browser" and not config.getoption("--browser"):
+        return True
+    if collection_path.name == "router" and collection_path.is_dir() \
+            and not config.getoption("--router"):
         return True
     return None

@@ -1,0 +1,57 @@
+"""SGLang's real router (sglang-router 0.3.2) in front of real minirt.serve replicas.
+
+Runs ``tools/router_demo.py`` once (``make test-router``; needs ``.venv-router``, which
+the Makefile builds) and checks what it prints: cache-aware routing computes fewer
+prefill tokens than round-robin on the same trace, ``minirt.router``'s decision rule
+picks what the real router picked, a killed replica loses no answered request, and no
+process outlives the demo.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUTER_PYTHON = os.environ.get("ROUTER_PYTHON", str(ROOT / ".venv-router" / "bin" / "python"))
+
+
+@pytest.fixture(scope="module")
+def demo():
+    if not Path(ROUTER_PYTHON).exists():
+        pytest.fail(f"no router venv at {ROUTER_PYTHON}: run `make test-router`")
+    spec = importlib.util.spec_from_file_location("router_demo", ROOT / "tools" / "router_demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(["--router-python", ROUTER_PYTHON])
+
+
+def test_cache_aware_computes_less_than_round_robin(demo):
+    ca, rr = demo["runs"]["cache_aware"], demo["runs"]["round_robin"]
+    assert ca["failed"] == rr["failed"] == 0
+    assert ca["prompt"] == rr["prompt"] > 0
+    assert ca["computed"] < rr["computed"]
+    assert ca["hit_rate"] > rr["hit_rate"]
+    assert sorted(rr["per_replica"].values()) == [12, 12, 12]  # round-robin: in turn
+
+
+def test_the_decision_rule_agrees_with_the_real_router(demo):
+    same, n = demo["agreement_same_state"]
+    assert n >= 30 and same / n >= 0.75, (same, n)
+    agree, total, _ = demo["agreement"]
+    assert total == 36 and agree > 0
+
+
+def test_a_killed_replica_loses_no_answered_request(demo):
+    kill = demo["kill"]
+    assert kill["killed_after"] is not None and kill["victim_healthy"] is False
+    assert kill["truncated"] == []  # every answer the router returned is whole
+    if kill["failed"]:              # a failure is an explicit error, and a retry works
+        assert kill["retry"] is not None and len(kill["retry"].ok) == len(kill["failed"])
+
+
+def test_every_process_is_stopped(demo):
+    assert demo["alive_after_stop"] == []

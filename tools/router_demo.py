@@ -1,0 +1,469 @@
+"""SGLang's own router (PyPI sglang-router==0.3.2) in front of real minirt.serve replicas.
+
+    make router-demo        (or: python tools/router_demo.py [--router-python PATH])
+
+Starts 3 ``minirt.serve`` replicas and the real router on free 127.0.0.1 ports, and
+replays a multi-tenant chat trace (``minirt.router.tenant_chats``: several system
+prompts, many conversations, canned replies as history) through the router with
+``minirt.replay``:
+
+1. ``--policy cache_aware`` and ``--policy round_robin`` (fresh replicas each time): hit
+   rate, prefill tokens computed, and the spread of the router's own queue lengths
+   (sampled from its ``GET /workers`` loads while the trace runs);
+2. how often ``minirt.router.CacheAwareRouter``, fed the same trace (arrivals and
+   completions in the order the client saw them), picks the replica the real router
+   picked (each replica names itself in ``system_fingerprint``);
+3. a replica killed mid-run: the router's retries and health check take it out; every
+   request the router answered is complete, and any that failed is reported and sent
+   again.
+
+Every process is stopped by its pid, also on failure. Timings are not measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from minirt.replay import ReplayReport, replay  # noqa: E402
+from minirt.router import CacheAwareRouter, TenantChats, chat_routing_text, tenant_chats  # noqa: E402
+from minirt.serve import ServerProcess, launch  # noqa: E402
+
+MODEL_NAME = "minirt"
+# The router's settings for the demo (its defaults, except a balance_abs_threshold low
+# enough for a short trace to reach, and a fast health check).
+SETTINGS = {"cache_threshold": 0.3, "balance_abs_threshold": 8, "balance_rel_threshold": 1.5}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RouterProcess:
+    """The real router, a child process; ``stop()`` ends it by its pid."""
+
+    process: subprocess.Popen
+    base: str
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def workers(self) -> list[dict]:
+        return httpx.get(self.base + "/workers", timeout=5).json()["workers"]
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+        return self.process.returncode
+
+
+def start_router(python: str, urls: list[str], policy: str, timeout: float = 60.0,
+                 ) -> RouterProcess:
+    """``python -m sglang_router.launch_router`` on free ports, waiting until every
+    worker is registered and healthy."""
+    port, metrics = free_port(), free_port()
+    log = Path(tempfile.mkstemp(prefix="sglang-router-", suffix=".log")[1])
+    cmd = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+           "--port", str(port), "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(metrics), "--policy", policy,
+           "--cache-threshold", str(SETTINGS["cache_threshold"]),
+           "--balance-abs-threshold", str(SETTINGS["balance_abs_threshold"]),
+           "--balance-rel-threshold", str(SETTINGS["balance_rel_threshold"]),
+           "--health-check-interval-secs", "1", "--log-level", "warn",
+           "--worker-urls", *urls]
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    router = RouterProcess(process, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the router exited with {process.returncode}:\n"
+                                   f"{log.read_text()[-3000:]}")
+            try:
+                workers = router.workers()
+                if len(workers) == len(urls) and all(w["is_healthy"] for w in workers):
+                    return router
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"router not ready after {timeout} s:\n{log.read_text()[-3000:]}")
+    except BaseException:
+        router.stop()
+        raise
+
+
+def start_replicas(n: int, capacity: int) -> list[ServerProcess]:
+    """``n`` minirt.serve replicas started side by side, named r0..r{n-1}."""
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(launch, "--server-id", f"r{i}", "--capacity", str(capacity),
+                               "--served-model-name", MODEL_NAME,
+                               env={"TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
+                   for i in range(n)]
+        servers, errors = [], []
+        for f in futures:
+            try:
+                servers.append(f.result())
+            except Exception as exc:  # start what we can, then stop them all
+                errors.append(exc)
+    if errors:
+        for s in servers:
+            s.stop()
+        raise errors[0]
+    return servers
+
+
+def replica_queue(client: httpx.Client, base: str) -> int | None:
+    """Requests running or waiting in a replica's engine (its ``/metrics`` gauges)."""
+    try:
+        text = client.get(base + "/metrics").text
+    except httpx.HTTPError:
+        return None
+    return sum(int(float(line.split()[-1])) for line in text.splitlines()
+               if line.startswith("minirt_requests{"))
+
+
+class LoadSampler(threading.Thread):
+    """Every ``period`` s: the router's own in-flight count per worker (``GET /workers``,
+    in the router's worker order) and each replica's engine queue (``/metrics``).
+
+    ``samples``: (seconds since ``t0``, router loads, replica queues in replica order).
+    """
+
+    def __init__(self, router: RouterProcess, replicas: list[str], period: float = 0.05,
+                 ) -> None:
+        super().__init__(daemon=True)
+        self.router, self.replicas, self.period = router, replicas, period
+        self.samples: list[tuple[float, list[int], list[int | None]]] = []
+        self.t0 = time.perf_counter()
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._halt.is_set():
+                try:
+                    workers = client.get(self.router.base + "/workers").json()["workers"]
+                    loads = [w["load"] if w["is_healthy"] else -1 for w in workers]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    loads = []
+                queues = [replica_queue(client, base) for base in self.replicas]
+                self.samples.append((time.perf_counter() - self.t0, loads, queues))
+                self._halt.wait(self.period)
+
+    def spreads(self, which: str) -> list[int]:
+        """max - min over healthy workers of each sample in which any was busy."""
+        out = []
+        for _, loads, queues in self.samples:
+            xs = [x for x in (loads if which == "router" else queues)
+                  if x is not None and x >= 0]
+            if xs and max(xs) > 0:
+                out.append(max(xs) - min(xs))
+        return out
+
+    def loads_at(self, t: float) -> list[int] | None:
+        """The router's loads in the last sample taken before ``t``."""
+        last = None
+        for when, loads, _ in self.samples:
+            if when > t:
+                break
+            last = loads
+        return last
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(10)
+
+
+@dataclass
+class Trace:
+    """The requests of a trace in send order: (conversation, tenant, turn, messages)."""
+
+    chats: TenantChats
+    items: list[tuple[int, int, int, list[dict]]] = field(default_factory=list)
+
+    def write(self, path: Path, which: list[int] | None = None) -> Path:
+        with open(path, "w") as f:
+            for i in range(len(self.items)) if which is None else which:
+                f.write(json.dumps({"messages": self.items[i][3]}) + "\n")
+        return path
+
+
+def build_trace(tokenizer, tenants: int, conversations: int, turns: int,
+                system_tokens: int, seed: int) -> Trace:
+    """Turn t of every conversation, then turn t+1 (as concurrent users would send them)."""
+    chats = tenant_chats(tokenizer, tenants, conversations, turns, system_tokens, seed=seed)
+    trace = Trace(chats)
+    for t in range(turns):
+        for c in range(conversations):
+            trace.items.append((c, chats.tenant_of[c], t, chats.canned_messages(c, t)))
+    return trace
+
+
+def run_trace(router: RouterProcess, replicas: list[str], path: Path, rate: float,
+              max_tokens: int, seed: int, tokenizer) -> tuple[ReplayReport, LoadSampler]:
+    """Replay the JSONL trace through the router; the report and the load samples."""
+    sampler = LoadSampler(router, replicas)
+    sampler.start()
+    try:
+        report = replay(router.base + "/v1", str(path), rate=rate, seed=seed,
+                        max_tokens=max_tokens, model=MODEL_NAME, ignore_eos=True,
+                        tokenizer=tokenizer)
+    finally:
+        sampler.stop()
+    return report, sampler
+
+
+def agreement(report: ReplayReport, trace: Trace, order: list[str]) -> tuple[int, int, dict]:
+    """Feed ``CacheAwareRouter`` the trace as the client saw it (each arrival routed,
+    each completion a ``done``) and count its picks equal to the real router's.
+
+    ``order``: the server ids in the real router's worker order (its tie-breaks).
+    """
+    ours = CacheAwareRouter(len(order), **SETTINGS)
+    events = []
+    for rec in report.records:
+        events.append((rec.arrival, 1, rec.index))
+        if rec.latency is not None:
+            events.append((rec.arrival + rec.latency, 0, rec.index))
+    events.sort()
+    picked: dict[int, int] = {}
+    agree = total = 0
+    reasons: dict[str, list[int]] = {}
+    for _, kind, i in sorted(events):
+        if kind == 0:
+            if i in picked:
+                ours.done(picked[i])
+            continue
+        rec = report.records[i]
+        picked[i] = ours.route(chat_routing_text(trace.items[i][3]))
+        reason = ours.decisions[-1].reason
+        if rec.server is None:
+            continue
+        same = order[picked[i]] == rec.server
+        agree += same
+        total += 1
+        reasons.setdefault(reason, [0, 0])
+        reasons[reason][0] += same
+        reasons[reason][1] += 1
+    return agree, total, reasons
+
+
+def agreement_same_state(report: ReplayReport, trace: Trace, order: list[str],
+                         sampler: LoadSampler) -> tuple[int, int]:
+    """The decision rule alone: for each request, the router's loads as last sampled
+    before it arrived and a tree of the real router's own earlier picks; how often
+    ``CacheAwareRouter``'s rule picks what the real router picked."""
+    ours = CacheAwareRouter(len(order), **SETTINGS)
+    index = {sid: i for i, sid in enumerate(order)}
+    agree = total = 0
+    for rec in sorted(report.records, key=lambda r: r.arrival):
+        text = chat_routing_text(trace.items[rec.index][3])
+        loads = sampler.loads_at(rec.arrival)
+        if rec.server is None or not loads or min(loads) < 0:
+            continue
+        if ours.imbalanced(loads):
+            pick = min(range(len(loads)), key=lambda i: loads[i])
+        else:
+            match = ours.tree.prefix_match(text)
+            pick = match.tenant if match.rate > ours.cache_threshold \
+                else min(range(len(loads)), key=lambda i: loads[i])
+        agree += pick == index[rec.server]
+        total += 1
+        ours.tree.insert(text, index[rec.server])
+    return agree, total
+
+
+def stats(report: ReplayReport) -> dict:
+    ok = report.ok
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    per: dict[str, int] = {}
+    for r in ok:
+        per[r.server or "?"] = per.get(r.server or "?", 0) + 1
+    return {"requests": len(report.records), "failed": len(report.records) - len(ok),
+            "prompt": prompt, "cached": cached, "computed": prompt - cached,
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "per_replica": dict(sorted(per.items()))}
+
+
+def _spread(xs: list[int]) -> str:
+    return f"max {max(xs, default=0)}, mean {sum(xs) / len(xs) if xs else 0:.2f}"
+
+
+def _row(policy: str, s: dict, sampler: LoadSampler) -> str:
+    router = _spread(sampler.spreads("router")) if policy == "cache_aware" else "not kept"
+    return (f"{policy:<12} {s['requests']:>4} {s['failed']:>6} {s['prompt']:>7} "
+            f"{s['computed']:>8} {s['hit_rate']:>8.3f}   {_spread(sampler.spreads('queues')):<18}"
+            f" {router:<18} {s['per_replica']}")
+
+
+def kill_run(python: str, trace: Trace, path: Path, args, tokenizer, procs: list) -> dict:
+    """Cache-aware replay on fresh replicas; kill one when a third of the trace is done."""
+    replicas = start_replicas(args.replicas, args.capacity)
+    procs.extend(replicas)
+    router = start_router(python, [s.base for s in replicas], "cache_aware")
+    procs.append(router)
+    victim = replicas[1]
+    total = len(trace.items)
+    killed_at: list[int] = []
+    in_flight: list[int] = []
+
+    def killer() -> None:
+        while victim.process.poll() is None:
+            done = 0
+            for s in replicas:
+                try:
+                    text = httpx.get(s.base + "/metrics", timeout=2).text
+                    done += sum(int(float(line.split()[-1])) for line in text.splitlines()
+                                if line.startswith('minirt_requests_total{outcome="finished"}'))
+                except httpx.HTTPError:
+                    pass
+            if done >= total // 3:
+                killed_at.append(done)
+                in_flight.extend(w["load"] for w in router.workers() if w["url"] == victim.base)
+                victim.process.kill()  # SIGKILL by pid: no goodbye to the router
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    report, _ = run_trace(router, [s.base for s in replicas], path, args.rate,
+                          args.max_tokens, args.seed, tokenizer)
+    thread.join(30)
+    time.sleep(2.5)  # a health check or two
+    healthy = {w["url"]: w["is_healthy"] for w in router.workers()}
+    failed = [r.index for r in report.records if r.error is not None]
+    truncated = [r.index for r in report.records
+                 if r.error is None and (r.finish_reason is None or
+                                         r.completion_tokens != args.max_tokens)]
+    retry = None
+    if failed:
+        retry, _ = run_trace(router, [s.base for s in replicas],
+                             trace.write(path.with_suffix(".retry.jsonl"), failed),
+                             0, args.max_tokens, args.seed, tokenizer)
+    return {"killed_after": killed_at[0] if killed_at else None, "report": report,
+            "in_flight": in_flight[0] if in_flight else None,
+            "failed": failed, "truncated": truncated, "retry": retry,
+            "victim_healthy": healthy.get(victim.base), "victim_pid": victim.pid,
+            "healthy": healthy}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--router-python", default=str(ROOT / ".venv-router" / "bin" / "python"),
+                   help="a Python with sglang-router==0.3.2 installed")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--tenants", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=12)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--system-tokens", type=int, default=150)
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--capacity", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-kill", action="store_true", help="skip the killed-replica run")
+    args = p.parse_args(argv)
+
+    from minirt.workloads import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    trace = build_trace(tokenizer, args.tenants, args.conversations, args.turns,
+                        args.system_tokens, args.seed)
+    work = Path(tempfile.mkdtemp(prefix="router-demo-"))
+    path = trace.write(work / "trace.jsonl")
+    print(f"trace: {len(trace.items)} chat requests, {args.tenants} tenants, "
+          f"{args.conversations} conversations x {args.turns} turns, Poisson {args.rate}/s, "
+          f"{args.max_tokens} new tokens each; {args.replicas} minirt.serve replicas; "
+          f"router settings {SETTINGS}")
+    procs: list = []
+    out: dict = {"runs": {}}
+    try:
+        header = (f"{'policy':<12} {'reqs':>4} {'failed':>6} {'prompt':>7} {'computed':>8} "
+                  f"{'hit rate':>8}   {'engine queues':<18} {'router loads':<18} "
+                  "requests per replica")
+        rows = []
+        for policy in ("cache_aware", "round_robin"):
+            replicas = start_replicas(args.replicas, args.capacity)
+            procs.extend(replicas)
+            router = start_router(args.router_python, [s.base for s in replicas], policy)
+            procs.append(router)
+            ids = {s.base: f"r{i}" for i, s in enumerate(replicas)}
+            order = [ids[w["url"]] for w in router.workers()]
+            report, sampler = run_trace(router, [s.base for s in replicas], path, args.rate,
+                                        args.max_tokens, args.seed, tokenizer)
+            s = stats(report)
+            out["runs"][policy] = {**s, "sampler": sampler, "report": report, "order": order}
+            rows.append(_row(policy, s, sampler))
+            for proc in [router, *replicas]:
+                proc.stop()
+        print("\nthe real router in front of minirt.serve (same trace, fresh replicas each; "
+              "queue spread = max - min over replicas, sampled every 50 ms while busy):")
+        print(header)
+        print("\n".join(rows))
+        ca, rr = out["runs"]["cache_aware"], out["runs"]["round_robin"]
+        print(f"cache_aware computes {ca['computed']} prefill tokens, round_robin "
+              f"{rr['computed']}: {rr['computed'] / max(ca['computed'], 1):.2f}x; "
+              f"the router's load spread: max {max(ca['sampler'].spreads('router'), default=0)}"
+              f" against balance_abs_threshold {SETTINGS['balance_abs_threshold']}")
+
+        agree, total, reasons = agreement(ca["report"], trace, ca["order"])
+        out["agreement"] = (agree, total, reasons)
+        print(f"\nminirt.router.CacheAwareRouter on the same trace picks the real router's "
+              f"replica for {agree}/{total} requests ({agree / max(total, 1):.0%}); by its "
+              "own reason: " + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in reasons.items()))
+        print(f"  (the real router's worker order, its tie-break: {ca['order']})")
+        same, n = agreement_same_state(ca["report"], trace, ca["order"], ca["sampler"])
+        out["agreement_same_state"] = (same, n)
+        print(f"  its decision rule alone, given the real router's sampled loads and a tree of "
+              f"the real router's own picks: {same}/{n} ({same / max(n, 1):.0%})")
+
+        if not args.no_kill:
+            k = kill_run(args.router_python, trace, path, args, tokenizer, procs)
+            out["kill"] = k
+            ks = stats(k["report"])
+            print(f"\nreplica r1 (pid {k['victim_pid']}) killed with SIGKILL after "
+                  f"{k['killed_after']} of {len(trace.items)} requests finished, with "
+                  f"{k['in_flight']} in flight there; the router then marks it "
+                  f"healthy={k['victim_healthy']}")
+            print(f"  answered {len(trace.items) - len(k['failed'])} of {len(trace.items)}: "
+                  f"{len(k['truncated'])} of those incomplete; {len(k['failed'])} failed "
+                  f"with an error: {[k['report'].records[i].error[:80] for i in k['failed']]}")
+            if k["retry"] is not None:
+                print(f"  sent again: {len(k['retry'].ok)} of {len(k['failed'])} answered")
+            print(f"  requests per replica: {ks['per_replica']}")
+    finally:
+        for proc in procs:
+            proc.stop()
+        alive = [proc.pid for proc in procs if proc.process.poll() is None]
+        out["alive_after_stop"] = alive
+        print(f"\nstopped {len(procs)} processes by pid; still alive: {alive or 'none'}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
