@@ -1,8 +1,9 @@
 """A host-memory tier under the device KV pool: evicted prefixes kept in host memory, loaded back.
 
-SGLang's HiCache (``python/sglang/srt/mem_cache/hiradix_cache.py``, read in sglang 0.5.2;
-docs ``hicache_design.md``) adds a second, larger pool in host memory. ``HiRadixCache``
-is that idea at the book's scale:
+SGLang's HiCache (``python/sglang/srt/mem_cache/hiradix_cache.py``: ``HiRadixCache``,
+``write_backup``, ``evict``, ``evict_host``, ``load_back``, read in sglang 0.5.2; design
+doc ``docs/advanced_features/hicache_design.md``) adds a second, larger pool in host
+memory. ``HiRadixCache`` here is that idea at the book's scale:
 
 * ``HostPool``: K/V storage with the device pool's per-token layout, in CPU memory
   (pinned when the device is a GPU, so copies can run asynchronously).
@@ -17,7 +18,12 @@ is that idea at the book's scale:
   times. A write copies the part of the node's prefix the host lacks.
 * ``match_prefix`` that finds a longer prefix on the host than on the device loads the
   difference back into device slots (evicting on the device if it must) and inserts it
-  into the device tree, so the request computes only what neither tier holds.
+  into the device tree, so the request computes only what neither tier holds. The
+  engine matches without loading and calls ``load_back`` when it admits the request,
+  as SGLang's scheduler calls ``init_load_back``.
+
+Copies here are synchronous; SGLang overlaps them with compute (layer by layer) and
+tracks them with a cache controller, which minirt leaves out.
 
 ``measure_load_back`` times loading K/V back from the host against recomputing it by
 prefill, per token, on a real model: that ratio is the reason the tier exists.
@@ -67,8 +73,13 @@ def check_tier_settings(device_capacity: int, host_capacity: int, page_size: int
                         write_through_threshold: int = 1) -> None:
     """Raise TierError (a ValueError) naming the first host-tier setting that cannot work.
 
-    The host pool must hold at least as many tokens as the device pool (SGLang asserts
-    the same: a host tier smaller than the device cannot even mirror it), in whole pages.
+    The host pool must hold at least as many tokens as the device pool, in whole pages: a
+    host tier smaller than the device could not even mirror it. (SGLang asserts its host
+    pool is larger than the device pool, ``memory_pool_host.py``, and its docs give
+    ``--hicache-ratio`` a minimum of 2.) ``write_through_threshold``: the prefix hits after
+    which ``write_through_selective`` copies a node. SGLang counts the inserting request
+    as a node's first hit and copies at 2, i.e. at its first reuse: minirt counts
+    ``match_prefix`` hits only, so its 1 is that same first reuse.
     """
     if write_policy not in WRITE_POLICIES:
         raise TierError(f"unknown write_policy {write_policy!r}; choose one of "

@@ -393,3 +393,24 @@ def test_measure_load_back_on_tiny_model():
     assert cost.prompt_len == 16 and cost.repeats == 2
     assert cost.load_s > 0 and cost.recompute_s > 0 and cost.write_s > 0
     assert cost.ratio == pytest.approx(cost.recompute_per_token / cost.load_per_token)
+
+
+def test_salted_prefixes_stay_apart_in_both_tiers():
+    """A salted request's K/V goes to the host under its salt and comes back only for the
+    same salt (``cache_salt`` isolation holds across tiers)."""
+    cache = toy_cache(8, 16, "write_back")
+    m = cache.match_prefix([1, 2, 3], salt="alice")
+    cache.lock(m.handle)
+    cache.make_room(3)
+    slots = cache.pool.alloc(3)
+    cache.insert_prefix([1, 2, 3], slots, salt="alice")
+    cache.unlock(m.handle)
+    cache.pool.free(cache.evict(3))
+    assert cache.host_size == 3 and cache.total_size == 0
+    assert cache.peek_tiers([1, 2, 3], salt="bob") == (0, 0)
+    assert cache.peek_tiers([1, 2, 3]) == (0, 0)
+    assert cache.match_prefix([1, 2, 3], salt="bob").cached_len == 0
+    back = cache.match_prefix([1, 2, 3], salt="alice")
+    assert (back.cached_len, back.loaded_len) == (3, 3)
+    assert [(n.salt, n.tier) for _, n in cache.residency().walk()][1:] == [("alice", "both")]
+    cache.check_integrity()
