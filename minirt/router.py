@@ -23,6 +23,17 @@ once; spread them round-robin and every replica computes it again.
 * the request's text is then inserted under the chosen replica, and each replica's tree
   is cut back to ``max_tree_size`` characters by evicting its least recently used leaves.
 
+Read from sgl-project/sglang ``sgl-model-gateway/src/policies/cache_aware.rs``
+(``select_worker``, ``select_worker_min_load``) and ``tree.rs`` (``insert``,
+``prefix_match_with_counts``, ``evict_tenant_by_size``), the versions with mesh sync and
+``select_worker_min_load`` that the 0.3.2 wheel's binary carries; checked against the
+wheel itself by ``tools/router_demo.py``. Where this module is simpler: a match reports
+the first replica that reached the matched node (the real tree caches that one too, and
+falls back to a hash-map's order); every match refreshes the node's access time (the
+real one, 1 match in 8); eviction runs every ``evict_every`` requests, not on a timer;
+"lowest index" means the real router's own worker order (its ``GET /workers``), which
+need not be the order of ``--worker-urls``.
+
 Baselines with the same interface: ``RoundRobinRouter``, ``RandomRouter`` (seeded),
 ``LeastLoadRouter`` and ``ConsistentHashRouter`` (a hash ring on a session id).
 

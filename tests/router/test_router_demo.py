@@ -47,7 +47,9 @@ def test_the_decision_rule_agrees_with_the_real_router(demo):
 
 def test_a_killed_replica_loses_no_answered_request(demo):
     kill = demo["kill"]
-    assert kill["killed_after"] is not None and kill["victim_healthy"] is False
+    assert kill["killed_at"] is not None and kill["in_flight"] >= 1
+    assert kill["victim_healthy"] is False
+    assert kill["sent_after"] > 0 and kill["victim_after"] == 0
     assert kill["truncated"] == []  # every answer the router returned is whole
     if kill["failed"]:              # a failure is an explicit error, and a retry works
         assert kill["retry"] is not None and len(kill["retry"].ok) == len(kill["failed"])
