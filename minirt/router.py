@@ -772,8 +772,12 @@ def replay_replicas(engines: Sequence, router: Router, chats: TenantChats, *,
         spreads.append(max(router.loads) - min(router.loads))
         replica = router.route(chat_routing_text(history), session=f"conversation-{conv}")
         rid = f"c{conv}t{turn}"
-        engines[replica].submit(Request(messages=[dict(m) for m in history],
-                                         max_new_tokens=max_new_tokens, rid=rid))
+        try:
+            engines[replica].submit(Request(messages=[dict(m) for m in history],
+                                             max_new_tokens=max_new_tokens, rid=rid))
+        except Exception:
+            router.done(replica)  # the replica refused it: it is not in flight there
+            raise
         rec = RoutedRequest(conv, chats.tenant_of[conv], turn, replica,
                             router.decisions[-1].reason)
         live[rid] = (replica, rec)
