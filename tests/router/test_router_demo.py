@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ def demo():
         pytest.fail(f"no router venv at {ROUTER_PYTHON}: run `make test-router`")
     spec = importlib.util.spec_from_file_location("router_demo", ROOT / "tools" / "router_demo.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["router_demo"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module.main(["--router-python", ROUTER_PYTHON])
 
