@@ -723,6 +723,16 @@ class RoutingReport:
         return counts
 
     @property
+    def computed_per_replica(self) -> list[int]:
+        """Prefill tokens each replica computed; the largest bounds how soon a run of
+        parallel replicas can finish, so affinity that piles work on one replica shows
+        here even when the total falls."""
+        counts = [0] * self.num_replicas
+        for r in self.requests:
+            counts[r.replica] += r.computed_tokens
+        return counts
+
+    @property
     def reasons(self) -> dict[str, int]:
         """How many decisions each reason made."""
         out: dict[str, int] = {}
@@ -735,9 +745,10 @@ class RoutingReport:
         return {(r.conversation, r.turn): r.output_ids for r in self.requests}
 
     def summary(self) -> str:
-        return (f"{self.policy:<16} computed {self.computed_tokens:>6}  hit rate "
-                f"{self.hit_rate:.3f}  spread max {self.max_spread} mean "
-                f"{self.mean_spread:.2f}  per replica {self.per_replica}  steps {self.steps}")
+        return (f"{self.policy:<16} computed {self.computed_tokens:>6} (busiest replica "
+                f"{max(self.computed_per_replica)})  hit rate {self.hit_rate:.3f}  spread max "
+                f"{self.max_spread} mean {self.mean_spread:.2f}  requests per replica "
+                f"{self.per_replica}  steps {self.steps}")
 
 
 def replay_replicas(engines: Sequence, router: Router, chats: TenantChats, *,
