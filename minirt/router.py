@@ -23,6 +23,17 @@ once; spread them round-robin and every replica computes it again.
 * the request's text is then inserted under the chosen replica, and each replica's tree
   is cut back to ``max_tree_size`` characters by evicting its least recently used leaves.
 
+Read from sgl-project/sglang ``sgl-model-gateway/src/policies/cache_aware.rs``
+(``select_worker``, ``select_worker_min_load``) and ``tree.rs`` (``insert``,
+``prefix_match_with_counts``, ``evict_tenant_by_size``), the versions with mesh sync and
+``select_worker_min_load`` that the 0.3.2 wheel's binary carries; checked against the
+wheel itself by ``tools/router_demo.py``. Where this module is simpler: a match reports
+the first replica that reached the matched node (the real tree caches that one too, and
+falls back to a hash-map's order); every match refreshes the node's access time (the
+real one, 1 match in 8); eviction runs every ``evict_every`` requests, not on a timer;
+"lowest index" means the real router's own worker order (its ``GET /workers``), which
+need not be the order of ``--worker-urls``.
+
 Baselines with the same interface: ``RoundRobinRouter``, ``RandomRouter`` (seeded),
 ``LeastLoadRouter`` and ``ConsistentHashRouter`` (a hash ring on a session id).
 
@@ -712,6 +723,16 @@ class RoutingReport:
         return counts
 
     @property
+    def computed_per_replica(self) -> list[int]:
+        """Prefill tokens each replica computed; the largest bounds how soon a run of
+        parallel replicas can finish, so affinity that piles work on one replica shows
+        here even when the total falls."""
+        counts = [0] * self.num_replicas
+        for r in self.requests:
+            counts[r.replica] += r.computed_tokens
+        return counts
+
+    @property
     def reasons(self) -> dict[str, int]:
         """How many decisions each reason made."""
         out: dict[str, int] = {}
@@ -724,9 +745,10 @@ class RoutingReport:
         return {(r.conversation, r.turn): r.output_ids for r in self.requests}
 
     def summary(self) -> str:
-        return (f"{self.policy:<16} computed {self.computed_tokens:>6}  hit rate "
-                f"{self.hit_rate:.3f}  spread max {self.max_spread} mean "
-                f"{self.mean_spread:.2f}  per replica {self.per_replica}  steps {self.steps}")
+        return (f"{self.policy:<16} computed {self.computed_tokens:>6} (busiest replica "
+                f"{max(self.computed_per_replica)})  hit rate {self.hit_rate:.3f}  spread max "
+                f"{self.max_spread} mean {self.mean_spread:.2f}  requests per replica "
+                f"{self.per_replica}  steps {self.steps}")
 
 
 def replay_replicas(engines: Sequence, router: Router, chats: TenantChats, *,
@@ -761,8 +783,12 @@ def replay_replicas(engines: Sequence, router: Router, chats: TenantChats, *,
         spreads.append(max(router.loads) - min(router.loads))
         replica = router.route(chat_routing_text(history), session=f"conversation-{conv}")
         rid = f"c{conv}t{turn}"
-        engines[replica].submit(Request(messages=[dict(m) for m in history],
-                                         max_new_tokens=max_new_tokens, rid=rid))
+        try:
+            engines[replica].submit(Request(messages=[dict(m) for m in history],
+                                             max_new_tokens=max_new_tokens, rid=rid))
+        except Exception:
+            router.done(replica)  # the replica refused it: it is not in flight there
+            raise
         rec = RoutedRequest(conv, chats.tenant_of[conv], turn, replica,
                             router.decisions[-1].reason)
         live[rid] = (replica, rec)
