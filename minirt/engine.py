@@ -705,6 +705,7 @@ class Engine:
     def _check(self) -> None:
         if self.check:
             self.lifecycle.check_integrity()
+            self.lifecycle.working.check([j.lc.page_table for j in self._running])
 
     # ------------------------------------------------------------ housekeeping
     def flush(self) -> int:

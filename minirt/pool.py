@@ -458,6 +458,20 @@ class WorkingKV:
         """Bytes the rows occupy (allocated, including room to grow)."""
         return 2 * self.k.numel() * self.k.element_size()
 
+    def check(self, tables: Sequence[PageTable]) -> None:
+        """PoolError unless every row serving one of ``tables`` (and still matching its
+        slots) holds exactly the pool's K/V at those slots."""
+        live = {id(t) for t in tables}
+        for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True)):
+            if id(t) not in live or not torch.equal(t.slots[:s.numel()], s):
+                continue  # refilled from the pool before it is read again
+            idx = s.to(self.pool.device)
+            for name in ("k", "v"):
+                row = getattr(self, name)[:, r, :, :s.numel()]
+                if not torch.equal(row, getattr(self.pool, name)[:, idx].transpose(1, 2)):
+                    raise PoolError(f"working {name} row {r} differs from the pool at its "
+                                    "slots: the pool is the source of truth")
+
     def sync(self, tables: Sequence[PageTable]) -> list[int]:
         """Rows for exactly ``tables`` (each holding all positions but its last, the new
         token's); returns, per row, the index in ``tables`` it serves."""
