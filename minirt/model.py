@@ -250,12 +250,15 @@ def _grouped_decode(query, key, value, attention_mask, scaling):
     return out.view(b, heads, 1, d).transpose(1, 2), None
 
 
-def fuse_projections(model) -> int:
+def fuse_projections(model, prepack: bool = True) -> int:
     """Give each Llama layer one q/k/v GEMM and one gate/up GEMM instead of five (idempotent).
 
     The weights are concatenated once; ``q_proj`` .. ``up_proj`` keep their modules and
-    parameters, now views into the fused matrices (no memory added, ``state_dict`` and
-    the printed model unchanged). Same maths, fewer and larger matrix multiplies: the
+    parameters, now views into the fused matrices (``state_dict`` and the printed model
+    unchanged). ``prepack``: on CPU in fp32, the layers' and the output head's GEMMs of
+    more than one row also run on copies of the weights in oneDNN's blocked layout, as
+    vLLM's CPU build does (the copies are made once: change a weight afterwards and call
+    this again with a fresh model). Same maths, fewer and faster matrix multiplies: the
     logits equal the unfused model's within fp32 rounding (``tests/test_model.py``).
     Other architectures are left alone. Returns the number of modules fused now.
     """
@@ -268,17 +271,54 @@ def fuse_projections(model) -> int:
         if getattr(module, "_minirt_fused", False):
             continue
         if type(module) is LlamaAttention:
-            names, forward = ("q_proj", "k_proj", "v_proj"), _fused_attention_forward
+            names, forward, out = ("q_proj", "k_proj", "v_proj"), _fused_attention_forward, "o_proj"
         elif type(module) is LlamaMLP:
-            names, forward = ("gate_proj", "up_proj"), _fused_mlp_forward
+            names, forward, out = ("gate_proj", "up_proj"), _fused_mlp_forward, "down_proj"
         else:
             continue
         if not _concat_weights(module, names):
             continue
+        module.fused_packed = _prepack(module.fused_weight) if prepack else None
+        _prepack_linear(getattr(module, out), prepack)
         module.forward = MethodType(forward, module)
         module._minirt_fused = True
         fused += 1
+    head = model.get_output_embeddings() if fused else None
+    if isinstance(head, torch.nn.Linear) and not hasattr(head, "packed"):
+        _prepack_linear(head, prepack)
     return fused
+
+
+def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` in oneDNN's blocked layout for CPU GEMMs, or None where that is not
+    available (another device or dtype, a torch without oneDNN)."""
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or reorder is None
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    with torch.no_grad():
+        return reorder(weight.detach(), None)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            packed: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, on the prepacked weight when there is one and ``x`` has several rows
+    (for a single row, a matrix-vector product, the plain kernel is faster)."""
+    if packed is None or x.device.type != "cpu" or x.numel() == x.shape[-1]:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none",
+                                           [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _prepack_linear(linear: torch.nn.Linear, prepack: bool) -> None:
+    """Let an ``nn.Linear`` run on a prepacked copy of its weight (see ``_linear``)."""
+    from types import MethodType
+
+    linear.packed = _prepack(linear.weight) if prepack else None
+    if linear.packed is not None:
+        linear.forward = MethodType(
+            lambda self, x: _linear(x, self.weight, self.bias, self.packed), linear)
 
 
 def _concat_weights(module, names: tuple[str, ...]) -> bool:
@@ -313,7 +353,7 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None,
 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    qkv = torch.nn.functional.linear(hidden_states, self.fused_weight, self.fused_bias)
+    qkv = _linear(hidden_states, self.fused_weight, self.fused_bias, self.fused_packed)
     q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split(self.fused_sizes, -1))
     cos, sin = position_embeddings
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -329,7 +369,7 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None,
 
 def _fused_mlp_forward(self, x):
     """transformers' ``LlamaMLP.forward`` with gate and up from one GEMM."""
-    gate, up = torch.nn.functional.linear(x, self.fused_weight, self.fused_bias).split(
+    gate, up = _linear(x, self.fused_weight, self.fused_bias, self.fused_packed).split(
         self.fused_sizes, -1)
     return self.down_proj(self.act_fn(gate) * up)
 

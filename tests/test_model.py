@@ -98,11 +98,13 @@ def test_fused_projections_change_no_weight_and_no_logit(which):
     assert attn.v_proj.weight.untyped_storage().data_ptr() == \
         attn.fused_weight.untyped_storage().data_ptr()
     assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in plain.parameters())
+    assert repr(fused) == repr(plain)  # what chapter 01 prints about the layers
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(fused(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # rows of 24 and 2 (prepacked GEMMs), and of 1 (plain)
+        for x in (ids, ids[:, :1], ids[:1, :1]):
+            torch.testing.assert_close(fused(x).logits, plain(x).logits, rtol=1e-4, atol=1e-4)
         one = extend(fused, prefill(fused, ids[0, :23])[1], ids[0, 23:])[0]
-        torch.testing.assert_close(one, plain(ids[:1]).logits[0, 23:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(one, plain(ids[:1]).logits[0, 23:], rtol=1e-4, atol=1e-4)
 
 
 def test_device_and_dtype_choice(monkeypatch):
