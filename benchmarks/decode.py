@@ -13,10 +13,11 @@
 2. The profiler's split of one decode step at ``--profile-at`` (batch, context):
    the linear layers (GEMMs), attention, K/V traffic between the pool and attention
    (gathers, writes, appends), every other op, and the time outside any op (Python).
-3. The same step built up one change at a time, the four engines stepped in turn:
+3. The same step built up one change at a time, the five engines stepped in turn:
    gathering every request's K/V from the pool in every layer with transformers' sdpa
    and seven GEMMs per layer (minirt before), then attention with one query row per
-   K/V head, then fused q/k/v and gate/up projections, then the working K/V.
+   K/V head, fused q/k/v and gate/up projections, prepacked (oneDNN) weights, and the
+   working K/V (minirt now).
 
 Timings on a shared machine are noisy: run it on a quiet one; the load average is printed.
 """
@@ -116,21 +117,26 @@ def profile_split(model, batch: int, context: int, steps: int) -> None:
 
 def choices(batch: int, context: int, steps: int) -> None:
     """The decode step built up one change at a time, the engines stepped in turn."""
+    from unittest import mock
+
     from minirt.model import fuse_projections
 
-    plain, _ = load_model(dtype=torch.float32)
-    fused, _ = load_model(dtype=torch.float32)
-    fuse_projections(fused)
+    plain, fused, packed = (load_model(dtype=torch.float32)[0] for _ in range(3))
+    fuse_projections(fused, prepack=False)
+    fuse_projections(packed)
     variants = {  # name: (model, attention, keep the working K/V)
         "gather each layer, transformers' sdpa, 7 GEMMs": (plain, "sdpa", False),
         "+ one query row per K/V head": (plain, ATTENTION, False),
         "+ q/k/v and gate/up fused (4 GEMMs)": (fused, ATTENTION, False),
-        "+ working K/V, no gather (minirt)": (fused, ATTENTION, True),
+        "+ prepacked weights": (packed, ATTENTION, False),
+        "+ working K/V, no gather (minirt)": (packed, ATTENTION, True),
     }
     engines = {}
     for name, (model, attention, keep) in variants.items():
         model.set_attn_implementation(attention)
-        engines[name] = engine = batch_engine(model, batch, context, steps + 2)
+        # Engine() fuses the model it serves; the unfused variants must stay unfused.
+        with mock.patch("minirt.engine.fuse_projections", lambda m: 0):
+            engines[name] = engine = batch_engine(model, batch, context, steps + 2)
         if not keep:
             engine.lifecycle.working = None
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -146,7 +152,7 @@ def choices(batch: int, context: int, steps: int) -> None:
     for name, t in times.items():
         m = statistics.median(t)
         print(f"   {name:<48} {m * 1e3:8.1f} ms  {m / base:5.2f}x")
-    print(f"   same tokens in all four: {len(outputs) == 1}")
+    print(f"   same tokens in all {len(variants)}: {len(outputs) == 1}")
 
 
 def main() -> None:

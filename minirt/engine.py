@@ -300,8 +300,8 @@ class Engine:
     ``minirt.scheduler.Scheduler``) orders the waiting queue before each admission step;
     the default "fcfs" admits in arrival order. ``cache``: "radix" (the tree, evicting by
     ``policy``) or "hash" (vLLM's hashed blocks of ``page_size`` tokens, free-queue order).
-    The engine fuses the model's q/k/v and gate/up projections (``minirt.model.
-    fuse_projections``: the same weights and logits, fewer and larger GEMMs).
+    The engine fuses the model's q/k/v and gate/up projections and prepacks its weights
+    (``minirt.model.fuse_projections``: same weights, same logits, faster GEMMs).
     The engine is not thread-safe: one thread calls ``submit``, ``cancel`` and ``step``
     (``minirt.serve`` runs it in one).
     """
