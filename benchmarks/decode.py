@@ -37,7 +37,8 @@ from minirt.model import ATTENTION, load_model
 OWN = 16  # tokens of each prompt that differ between requests
 
 GROUPS = {
-    "linear layers (GEMMs)": ("aten::mm", "aten::addmm", "aten::linear"),
+    "linear layers (GEMMs)": ("aten::mm", "aten::addmm", "aten::linear",
+                              "mkldnn::_linear_pointwise"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math",
                   "aten::_scaled_dot_product_efficient_attention",
