@@ -37,8 +37,7 @@ __all__ = [
     "cache_dir",
     "default_device",
     "default_dtype",
-    "fetch_default_model",
-    "fuse_projections",
+    "fetch_default_model", "fuse_projections",
     "load_model",
     "tiny_model",
 ]
@@ -179,8 +178,6 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.
 
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     extras = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-    if query.device.type == "cpu" and grouped and query.shape[2] == 1 and not extras:
-        return _grouped_decode(query, key, value, attention_mask, scaling)
     if (query.device.type == "cpu" and grouped and attention_mask is not None
             and query.shape[2] > 1 and not extras):
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -196,7 +193,7 @@ def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(ATTENTION, _grouped_sdpa)
+    AttentionInterface.register(ATTENTION, _attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
@@ -232,6 +229,18 @@ def load_model(name: str | None = None, device=None, dtype: torch.dtype | None =
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                      attn_implementation=ATTENTION)
     return model.to(device).eval(), tokenizer
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+               scaling: float | None = None, **kwargs):
+    """``ATTENTION``: ``_grouped_decode`` for one query position of grouped heads on CPU,
+    ``_grouped_sdpa`` for everything else."""
+    extras = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+    if (query.device.type == "cpu" and query.shape[2] == 1 and not extras
+            and getattr(module, "num_key_value_groups", 1) > 1):
+        return _grouped_decode(query, key, value, attention_mask, scaling)
+    return _grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout,
+                         scaling=scaling, **kwargs)
 
 
 def _grouped_decode(query, key, value, attention_mask, scaling):
