@@ -16,6 +16,12 @@
    ids), one request after another through the same four: cached tokens per request.
    minirt at page 128 must cache exactly what vLLM caches, request by request, in 1 and
    2: the script exits 1 if not.
+4. Throughput: a burst of 16 requests, each a 500-token shared prefix and 50 tokens of
+   its own, 64 greedy tokens each, sent at once; ``--reps`` times, cache emptied in
+   between. Per engine (medians): wall time, output tokens/s, time to the last first
+   token, decode ms per step ((wall - last first token) / 63), and minirt/vLLM for
+   each. The 16 x 64 output tokens must equal vLLM's: the script exits 1 if not.
+   ``--throughput-only`` runs this part alone.
 3. Servers: vLLM's OpenAI server (``--enable-prompt-tokens-details``) and
    ``minirt.serve`` (pages of 128 and of 1), each replayed with ``minirt.replay`` on the
    chat workload with the model's own answers: cached tokens and TTFT.
@@ -45,6 +51,7 @@ VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 MODEL_NAME = "SmolLM2-135M-Instruct"
 PREFIX, SUFFIX, BLOCK = 1000, 64, 128
+BURST, SHARED, OWN, BURST_TOKENS = 16, 500, 50, 64
 
 
 # ---------------------------------------------------------------- the protocol (both venvs)
@@ -67,6 +74,18 @@ def protocol(run, reset, spec: dict) -> dict:
     return {"rounds": rounds, "chat": chat}
 
 
+def throughput(run_batch, reset, spec: dict) -> list[dict]:
+    """The burst ``--reps`` times through ``run_batch(prompts, n)``, which returns (outputs,
+    first-token latencies, wall seconds); ``reset()`` empties the cache before each."""
+    run_batch(spec["burst"][:2], 4)  # warm-up: batched prefill and decode kernels
+    reps = []
+    for _ in range(spec["reps"]):
+        reset()
+        outputs, ttfts, wall = run_batch(spec["burst"], spec["burst_tokens"])
+        reps.append({"outputs": outputs, "last_ttft": max(ttfts), "wall": wall})
+    return reps
+
+
 def vllm_worker(spec_path: str, out_path: str, caching: bool) -> None:
     """Inside .venv-vllm: vLLM's offline ``LLM`` through the protocol."""
     from vllm import LLM, SamplingParams
@@ -83,7 +102,18 @@ def vllm_worker(spec_path: str, out_path: str, caching: bool) -> None:
         ttft = out.metrics.first_token_latency
         return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0), float(ttft)
 
-    result = protocol(run, llm.reset_prefix_cache, spec)
+    def run_batch(prompts, n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+        wall = time.perf_counter() - start
+        return ([list(o.outputs[0].token_ids) for o in outs],
+                [float(o.metrics.first_token_latency) for o in outs], wall)
+
+    result = {} if spec["throughput_only"] else protocol(run, llm.reset_prefix_cache, spec)
+    if caching:
+        result["throughput"] = throughput(run_batch, llm.reset_prefix_cache, spec)
     Path(out_path).write_text(json.dumps(result))
 
 
@@ -100,11 +130,21 @@ def minirt_offline(model, page_size: int, spec: dict) -> dict:
                             progress=False)[0]
         return r.output_ids, r.metrics.cached_tokens, r.metrics.ttft
 
-    return protocol(run, engine.flush, spec)
+    def run_batch(prompts, n):
+        res = engine.generate([Request(prompt=p, max_new_tokens=n, stop_on_eos=False)
+                               for p in prompts], progress=False)
+        return res.outputs, [r.metrics.ttft for r in res], res.totals.wall_time
+
+    result = {} if spec["throughput_only"] else protocol(run, engine.flush, spec)
+    if page_size == BLOCK:
+        result["throughput"] = throughput(run_batch, engine.flush, spec)
+    return result
 
 
-def build_spec(tokenizer, reps: int, max_tokens: int, model_path: str) -> dict:
-    """Token ids both sides use: a 1,000-token prefix, 64-token suffixes, the chat prompts."""
+def build_spec(tokenizer, reps: int, max_tokens: int, model_path: str,
+               throughput_only: bool = False) -> dict:
+    """Token ids both sides use: a 1,000-token prefix, 64-token suffixes, the chat prompts,
+    the burst (16 prompts: 500 shared tokens, 50 of their own)."""
     from minirt.workloads import multi_turn_chat, rag, support_chats
 
     system = support_chats(tokenizer, 1, 1, system_tokens=PREFIX + 50).system
@@ -114,9 +154,13 @@ def build_spec(tokenizer, reps: int, max_tokens: int, model_path: str) -> dict:
     suffixes = [pool[i * SUFFIX:(i + 1) * SUFFIX] for i in range(2 * reps)]
     assert len(prefix) == PREFIX and all(len(s) == SUFFIX for s in suffixes)
     chat = multi_turn_chat(tokenizer, num_conversations=2, turns=3, system_tokens=500)
+    own = pool[len(pool) // 2:]
+    burst = [prefix[:SHARED] + own[i * OWN:(i + 1) * OWN] for i in range(BURST)]
+    assert all(len(b) == SHARED + OWN for b in burst) and len(own) >= BURST * OWN
     return {"model_path": model_path, "reps": reps, "max_tokens": max_tokens,
             "prefix": prefix, "suffixes": suffixes, "chat": chat.requests,
-            "warmup": pool[-200:]}
+            "warmup": pool[-200:], "burst": burst, "burst_tokens": BURST_TOKENS,
+            "throughput_only": throughput_only}
 
 
 def run_vllm_offline(spec_file: Path, caching: bool) -> dict:
@@ -219,6 +263,33 @@ def offline_tables(results: dict[str, dict]) -> tuple[str, list[str]]:
     return "\n".join(lines), problems
 
 
+def throughput_table(vllm: list[dict], minirt: list[dict]) -> tuple[str, list[str]]:
+    """Medians per engine and minirt/vLLM; problems if any output differs from vLLM's."""
+    steps = BURST_TOKENS - 1
+    rows = {}
+    for name, reps in (("vLLM", vllm), ("minirt", minirt)):
+        wall = median([r["wall"] for r in reps])
+        ttft = median([r["last_ttft"] for r in reps])
+        rows[name] = {"wall time s": wall,
+                      "output tokens/s": median([BURST * BURST_TOKENS / r["wall"]
+                                                 for r in reps]),
+                      "last first token s": ttft,
+                      "decode ms per step": median([(r["wall"] - r["last_ttft"]) / steps * 1e3
+                                                    for r in reps])}
+    lines = [f"{'measurement (median of ' + str(len(vllm)) + ')':<28} {'vLLM':>9} "
+             f"{'minirt':>9} {'minirt/vLLM':>12}"]
+    for key in rows["vLLM"]:
+        a, b = rows["vLLM"][key], rows["minirt"][key]
+        lines.append(f"{key:<28} {a:>9.3f} {b:>9.3f} {b / a:>12.2f}")
+    ref = vllm[0]["outputs"]
+    problems = [f"throughput rep {i} ({name}): outputs differ from vLLM's first rep"
+                for name, reps in (("vLLM", vllm), ("minirt", minirt))
+                for i, r in enumerate(reps) if r["outputs"] != ref]
+    same = sum(a == b for r in minirt for a, b in zip(r["outputs"], ref, strict=True))
+    lines.append(f"identical outputs: {same}/{BURST * len(minirt)} requests")
+    return "\n".join(lines), problems
+
+
 def server_table(reports: dict) -> str:
     lines = [f"{'server':<24} {'requests':>8} {'prompt':>7} {'cached':>7} {'hit rate':>8} "
              f"{'TTFT median s':>13} {'latency median s':>16}  cached per request"]
@@ -236,6 +307,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5, help="cold/warm rounds (medians)")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--skip-servers", action="store_true")
+    p.add_argument("--throughput-only", action="store_true",
+                   help="only part 4, the 16-request burst")
     p.add_argument("--vllm-worker", nargs=3, metavar=("SPEC", "OUT", "CACHING"),
                    help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -254,7 +327,8 @@ def main() -> None:
 
     model, tokenizer = load_model(dtype=torch.float32)
     model_path = str(model.name_or_path)
-    spec = build_spec(tokenizer, args.reps, args.max_tokens, model_path)
+    spec = build_spec(tokenizer, args.reps, args.max_tokens, model_path,
+                      args.throughput_only)
     spec_file = Path(tempfile.mkstemp(suffix=".json")[1])
     spec_file.write_text(json.dumps(spec))
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
@@ -263,21 +337,30 @@ def main() -> None:
           flush=True)
 
     results = {}
-    for caching in (True, False):
+    for caching in ((True,) if args.throughput_only else (True, False)):
         t = time.perf_counter()
         results[f"vLLM, caching {'on' if caching else 'off'}"] = run_vllm_offline(spec_file,
                                                                                   caching)
         print(f"  vLLM caching {'on' if caching else 'off'}: {time.perf_counter() - t:.0f} s "
               "(start-up included)", flush=True)
-    for page in (BLOCK, 1):
+    for page in ((BLOCK,) if args.throughput_only else (BLOCK, 1)):
         results[f"minirt, page {page}"] = minirt_offline(model, page, spec)
-    results = {k: results[k] for k in ("vLLM, caching on", "vLLM, caching off",
-                                       "minirt, page 128", "minirt, page 1")}
-    table, problems = offline_tables(results)
-    print(f"\n1-2. Offline, same token ids (load average now {os.getloadavg()[0]:.1f}):")
+    problems = []
+    if not args.throughput_only:
+        results = {k: results[k] for k in ("vLLM, caching on", "vLLM, caching off",
+                                           "minirt, page 128", "minirt, page 1")}
+        table, problems = offline_tables(results)
+        print(f"\n1-2. Offline, same token ids (load average now {os.getloadavg()[0]:.1f}):")
+        print(table)
+    table, burst_problems = throughput_table(results["vLLM, caching on"]["throughput"],
+                                             results[f"minirt, page {BLOCK}"]["throughput"])
+    print(f"\n4. Throughput: {BURST} requests x ({SHARED} shared + {OWN} own tokens) x "
+          f"{BURST_TOKENS} greedy tokens, sent at once; vLLM ran its reps first, then minirt "
+          f"(page {BLOCK}); load average now {os.getloadavg()[0]:.1f}:")
     print(table)
+    problems += burst_problems
 
-    if not args.skip_servers:
+    if not args.skip_servers and not args.throughput_only:
         del model
         reports = {}
         chat_args = {"rate": 0.5, "conversations": 2, "turns": 3, "system_tokens": 500,
@@ -298,10 +381,14 @@ def main() -> None:
         print("answers identical across servers:", len({json.dumps(t) for t in texts.values()})
               == 1)
     if problems:
-        print("\nFAIL: minirt at page 128 does not cache what vLLM caches:\n  "
+        print("\nFAIL: minirt at page 128 does not cache or generate what vLLM does:\n  "
               + "\n  ".join(problems))
         sys.exit(1)
-    print("\nminirt at page 128 cached exactly the tokens vLLM cached, request by request.")
+    if args.throughput_only:
+        print("\nminirt generated exactly vLLM's burst outputs.")
+    else:
+        print("\nminirt at page 128 cached exactly the tokens vLLM cached, request by request; "
+              "the burst's outputs are identical.")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ everything submitted so far, the way mini-sglang's scheduler loop does:
    token budget (uncached prompt tokens to prefill) and the pool allow;
 2. *admit*: match all but the last prompt token, lock the match, allocate slots
    for the gap only (evicting unlocked leaves when the free list is short);
-3. *prefill* the uncached tokens through the pool, sample the first output token
-   (that is the time to first token, TTFT), and insert the prompt into the tree
-   so that requests admitted later can share it right away;
-4. *decode*: one forward pass per step for every running request together;
+3. *prefill* the uncached tokens of everything admitted in one forward pass through
+   the pool, sample each first output token (that is the time to first token, TTFT),
+   and insert the prompts into the tree so that requests admitted later can share them
+   (a request that would share a prompt of its own batch waits one step for it);
+4. *decode*: one forward pass per step for every running request together, attention
+   reading each request's K/V from a contiguous working copy (``pool.WorkingKV``);
 5. *finish*: insert prompt + output, unlock, free the tail that is not a whole page.
 
 ``Engine.generate(requests)`` submits a list of requests (all arriving now) and steps
@@ -40,6 +42,7 @@ from .errors import InvalidIdsError, RequestError, TierError
 from .eviction import EvictionPolicy
 from .lifecycle import Lifecycle, node_path
 from .lifecycle import Request as LifecycleRequest
+from .model import fuse_projections
 from .pool import KVPool
 from .scheduler import Scheduler, make_scheduler
 from .workloads import support_chats, unique_prefix_count
@@ -315,6 +318,8 @@ class Engine:
     ``minirt.scheduler.Scheduler``) orders the waiting queue before each admission step;
     the default "fcfs" admits in arrival order. ``cache``: "radix" (the tree, evicting by
     ``policy``) or "hash" (vLLM's hashed blocks of ``page_size`` tokens, free-queue order).
+    The engine fuses the model's q/k/v and gate/up projections and prepacks its weights
+    (``minirt.model.fuse_projections``: same weights, same logits, faster GEMMs).
     The engine is not thread-safe: one thread calls ``submit``, ``cancel`` and ``step``
     (``minirt.serve`` runs it in one). ``host_capacity`` (tokens; default None: no host
     tier) puts chapter 09's host tier under the pool: ``cache`` and ``host_tier`` are then
@@ -341,6 +346,7 @@ class Engine:
                                 "has none")
         self.scheduler = make_scheduler(schedule)
         self.model, self.tokenizer = model, tokenizer
+        fuse_projections(model)  # q/k/v and gate/up as one GEMM each: same logits
         self.pool = KVPool.for_model(model, capacity, page_size)
         self.host_tier = None  # the cache itself when it has a host tier
         if host_capacity is None:
@@ -485,6 +491,8 @@ class Engine:
             self._running.remove(job)
             self._finish(job)
             out.finished.append(job)
+        if not self._running:
+            self.lifecycle.working.clear()  # idle: no K/V kept outside the pool
         return out
 
     def cancel(self, handle: RequestHandle | str) -> bool:
@@ -627,7 +635,7 @@ class Engine:
 
     def _admit_and_prefill(self, out: StepOutput, on_token: TokenCallback | None) -> None:
         """Steps 2-3: admit in the scheduler's order within the token budget and memory,
-        prefill each admitted request."""
+        then prefill everything admitted in one forward pass."""
         waiting, running = self._waiting, self._running
         self._schedule(waiting)
         budget, admitted, deferred = self.token_budget, [], []
@@ -637,11 +645,13 @@ class Engine:
             if self._defers(job, match, admitted):
                 deferred.append(waiting.popleft())
                 continue
+            if self._reuses(job, match, admitted):
+                break  # it shares a prompt this batch computes: next step, from the tree
             uncached = job.lc.prompt.numel() - match.cached_len
             if admitted and uncached > budget:
                 break  # the head waits for the next step; nobody overtakes it
-            if not self._fits(job, match, running):
-                if not running:  # pragma: no cover - validate() makes this impossible
+            if not self._fits(job, match, running + admitted):
+                if not running + admitted:  # pragma: no cover - validate() prevents it
                     raise RequestError(f"{job.rid} cannot fit in an idle pool")
                 break
             waiting.popleft()
@@ -649,9 +659,38 @@ class Engine:
             admitted.append(job)
             self._load_back(job, match)
             self.lifecycle.admit(job.lc)  # lock + allocate the gap (evicting if short)
-            t = time.perf_counter()
-            self.lifecycle.prefill(job.lc)
-            now = time.perf_counter()
+            if budget <= 0:
+                break
+        waiting.extendleft(reversed(deferred))
+        if admitted:
+            self._prefill(admitted, out, on_token)
+
+    def _reuses(self, job: RequestHandle, match: MatchResult,
+                admitted: Sequence[RequestHandle]) -> bool:
+        """Would ``job`` find more cached once a request of this batch is inserted?
+
+        The batch prefills together, so its requests cannot read each other's K/V; a
+        request that shares more whole pages with one of them than the tree holds waits
+        one step and then reuses them (prefilling one request at a time finds the same).
+        """
+        if not self.use_cache:
+            return False
+        mine, page = job.lc.prompt[:-1], self.pool.page_size
+        for other in admitted:
+            if other.lc.salt == job.lc.salt:
+                shared = _common_len(mine, other.lc.prompt) // page * page
+                if shared > match.cached_len:
+                    return True
+        return False
+
+    def _prefill(self, jobs: list[RequestHandle], out: StepOutput,
+                 on_token: TokenCallback | None) -> None:
+        """Step 3: one forward pass over the admitted requests (each its own cached and new
+        lengths), first tokens, then their prompts go into the tree."""
+        t = time.perf_counter()
+        self.lifecycle.prefill_batch([job.lc for job in jobs])
+        now = time.perf_counter()
+        for job in jobs:
             job.prefill_time, job.ttft = now - t, now - job.arrival
             if self.use_cache:
                 handle = self.lifecycle.insert_running(job.lc)
@@ -659,13 +698,10 @@ class Engine:
                     for node in node_path(handle.node):  # locked now: safe to re-key
                         node.priority = max(node.priority, job.request.priority)
             job.status = "running"
-            running.append(job)
+            self._running.append(job)
             out.admitted.append(job)
             self._emit(job, out, on_token)
-            self._check()
-            if budget <= 0:
-                break
-        waiting.extendleft(reversed(deferred))
+        self._check()
 
     @staticmethod
     def _sampler(request: Request) -> Callable[[torch.Tensor], int]:
@@ -724,6 +760,7 @@ class Engine:
     def _check(self) -> None:
         if self.check:
             self.lifecycle.check_integrity()
+            self.lifecycle.working.check([j.lc.page_table for j in self._running])
 
     # ------------------------------------------------------------ housekeeping
     def flush(self) -> int:
@@ -759,6 +796,13 @@ def _make_cache(kind: str, page_size: int, policy: str | EvictionPolicy) -> Pref
 
         return HashCache(block_size=page_size)
     raise ValueError(f"cache must be 'radix' or 'hash', got {kind!r}")
+
+
+def _common_len(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading token ids ``a`` and ``b`` have in common."""
+    n = min(a.numel(), b.numel())
+    differ = torch.nonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.numel() else n
 
 
 def _eos_id(model, tokenizer) -> int | None:

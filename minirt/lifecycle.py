@@ -33,7 +33,7 @@ import torch
 
 from .cache import CacheHandle, MatchResult, PrefixCache, as_ids, check_salt, slots_tensor
 from .errors import OutOfMemoryError, PoolError, RequestError, StaleHandleError
-from .pool import KVPool, PageTable, forward_paged
+from .pool import KVPool, PageTable, WorkingKV, forward_paged
 from .radix import RadixNode
 
 __all__ = [
@@ -146,6 +146,7 @@ class Lifecycle:
         self.page_size = pool.page_size
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self.working = WorkingKV(pool)  # decode reads running K/V here, not gathered
 
     # ------------------------------------------------------------ requests
     def new_request(self, prompt, max_new_tokens: int = 1, rid: str | None = None,
@@ -277,15 +278,24 @@ class Lifecycle:
         Appends the next token (``req.next_token``) to ``req.output``; returns the last position's
         logits (or every new position's with ``all_logits=True``).
         """
-        self._require(req, "running")
-        if req.kv_len != req.cached_len or req.output:
-            raise RequestError(f"{req.rid} was already prefilled")
-        new = req.prompt[req.kv_len:]
-        logits = forward_paged(self.model, self.pool, [req.page_table], [new],
-                               last_only=not all_logits)[0]
-        req.kv_len = req.prompt.numel()
-        last = logits if logits.dim() == 1 else logits[-1]
-        req.output.append(req.next_token(last))
+        return self.prefill_batch([req], all_logits)[0]
+
+    def prefill_batch(self, reqs: Sequence[Request],
+                      all_logits: bool = False) -> list[torch.Tensor]:
+        """``prefill`` for several requests in one forward pass: a ragged batch, each with its
+        own cached length and new tokens, each reading its own cached prefix from the pool."""
+        reqs = list(reqs)
+        for req in reqs:
+            self._require(req, "running")
+            if req.kv_len != req.cached_len or req.output:
+                raise RequestError(f"{req.rid} was already prefilled")
+        if len({r.rid for r in reqs}) != len(reqs):
+            raise RequestError("a request appears twice in one prefill batch")
+        logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
+                               [r.prompt[r.kv_len:] for r in reqs], last_only=not all_logits)
+        for req, lg in zip(reqs, logits, strict=True):
+            req.kv_len = req.prompt.numel()
+            req.output.append(req.next_token(lg if lg.dim() == 1 else lg[-1]))
         return logits
 
     def _slot_for_next(self, req: Request) -> torch.Tensor | None:
@@ -324,7 +334,8 @@ class Lifecycle:
             used = len(r.page_table) - r.cached_len
             r.page_table.append(r.private[used:used + 1])
         logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
-                               [torch.tensor([r.output[-1]]) for r in reqs])
+                               [torch.tensor([r.output[-1]]) for r in reqs],
+                               working=self.working)
         for r, lg in zip(reqs, logits, strict=True):
             r.kv_len += 1
             r.output.append(r.next_token(lg))

@@ -37,7 +37,7 @@ __all__ = [
     "cache_dir",
     "default_device",
     "default_dtype",
-    "fetch_default_model",
+    "fetch_default_model", "fuse_projections",
     "load_model",
     "tiny_model",
 ]
@@ -193,7 +193,7 @@ def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(ATTENTION, _grouped_sdpa)
+    AttentionInterface.register(ATTENTION, _attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
@@ -229,6 +229,158 @@ def load_model(name: str | None = None, device=None, dtype: torch.dtype | None =
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                      attn_implementation=ATTENTION)
     return model.to(device).eval(), tokenizer
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+               scaling: float | None = None, **kwargs):
+    """``ATTENTION``: ``_grouped_decode`` for one query position of grouped heads on CPU,
+    ``_grouped_sdpa`` for everything else."""
+    extras = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+    if (query.device.type == "cpu" and query.shape[2] == 1 and not extras
+            and getattr(module, "num_key_value_groups", 1) > 1):
+        return _grouped_decode(query, key, value, attention_mask, scaling)
+    return _grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout,
+                         scaling=scaling, **kwargs)
+
+
+def _grouped_decode(query, key, value, attention_mask, scaling):
+    """One query position per sequence: the query heads sharing a K/V head become the rows
+    of one small attention against that head, which is then read once, in place.
+
+    ``query`` [b, heads, 1, d] is viewed as [b, kv_heads, group, d]: head ``h`` uses K/V
+    head ``h // group``, as in transformers' ``repeat_kv``. A single position attends to
+    every key the mask allows, so there is no causal part to lose by stacking the rows.
+    """
+    b, heads, _, d = query.shape
+    q = query.view(b, key.shape[1], heads // key.shape[1], d)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value,
+                                                           attn_mask=attention_mask,
+                                                           scale=scaling)
+    return out.view(b, heads, 1, d).transpose(1, 2), None
+
+
+def fuse_projections(model, prepack: bool = True) -> int:
+    """Give each Llama layer one q/k/v GEMM and one gate/up GEMM instead of five (idempotent).
+
+    The weights are concatenated once; ``q_proj`` .. ``up_proj`` keep their modules and
+    parameters, now views into the fused matrices (``state_dict`` and the printed model
+    unchanged). ``prepack``: on CPU in fp32, the layers' and the output head's GEMMs of
+    more than one row also run on copies of the weights in oneDNN's blocked layout, as
+    vLLM's CPU build does (the copies are made once: change a weight afterwards and call
+    this again with a fresh model). Same maths, fewer and faster matrix multiplies: the
+    logits equal the unfused model's within fp32 rounding (``tests/test_model.py``).
+    Other architectures are left alone. Returns the number of modules fused now.
+    """
+    from types import MethodType
+
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+
+    fused = 0
+    for module in model.modules():
+        if getattr(module, "_minirt_fused", False):
+            continue
+        if type(module) is LlamaAttention:
+            names, forward, out = ("q_proj", "k_proj", "v_proj"), _fused_attention_forward, "o_proj"
+        elif type(module) is LlamaMLP:
+            names, forward, out = ("gate_proj", "up_proj"), _fused_mlp_forward, "down_proj"
+        else:
+            continue
+        if not _concat_weights(module, names):
+            continue
+        module.fused_packed = _prepack(module.fused_weight) if prepack else None
+        _prepack_linear(getattr(module, out), prepack)
+        module.forward = MethodType(forward, module)
+        module._minirt_fused = True
+        fused += 1
+    head = model.get_output_embeddings() if fused else None
+    if isinstance(head, torch.nn.Linear) and not hasattr(head, "packed"):
+        _prepack_linear(head, prepack)
+    return fused
+
+
+def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` in oneDNN's blocked layout for CPU GEMMs, or None where that is not
+    available (another device or dtype, a torch without oneDNN)."""
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or reorder is None
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    with torch.no_grad():
+        return reorder(weight.detach(), None)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            packed: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, on the prepacked weight when there is one and ``x`` has several rows
+    (for a single row, a matrix-vector product, the plain kernel is faster)."""
+    if packed is None or x.device.type != "cpu" or x.numel() == x.shape[-1]:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none",
+                                           [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _prepack_linear(linear: torch.nn.Linear, prepack: bool) -> None:
+    """Let an ``nn.Linear`` run on a prepacked copy of its weight (see ``_linear``)."""
+    from types import MethodType
+
+    linear.packed = _prepack(linear.weight) if prepack else None
+    if linear.packed is not None:
+        linear.forward = MethodType(
+            lambda self, x: _linear(x, self.weight, self.bias, self.packed), linear)
+
+
+def _concat_weights(module, names: tuple[str, ...]) -> bool:
+    """``module.fused_weight`` (and bias): the named Linears' rows stacked; each Linear's
+    weight becomes a view of its rows. False (nothing changed) if the biases differ in kind."""
+    linears = [getattr(module, n) for n in names]
+    if len({lin.bias is None for lin in linears}) != 1:
+        return False
+    sizes = [lin.out_features for lin in linears]
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in linears])
+        bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+        for lin, w in zip(linears, weight.split(sizes), strict=True):
+            lin.weight = torch.nn.Parameter(w, requires_grad=False)
+        if bias is not None:
+            for lin, b in zip(linears, bias.split(sizes), strict=True):
+                lin.bias = torch.nn.Parameter(b, requires_grad=False)
+    module.register_buffer("fused_weight", weight, persistent=False)  # moves with .to()
+    module.register_buffer("fused_bias", bias, persistent=False)
+    module.fused_sizes = sizes
+    return True
+
+
+def _fused_attention_forward(self, hidden_states, position_embeddings=None,
+                             attention_mask=None, cache=None, **kwargs):
+    """transformers' ``LlamaAttention.forward`` with q, k and v from one GEMM."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import (
+        apply_rotary_pos_emb,
+        eager_attention_forward,
+    )
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    qkv = _linear(hidden_states, self.fused_weight, self.fused_bias, self.fused_packed)
+    q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split(self.fused_sizes, -1))
+    cos, sin = position_embeddings
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                      eager_attention_forward)
+    out, weights = attention(self, q, k, v, attention_mask,
+                             dropout=0.0 if not self.training else self.attention_dropout,
+                             scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _fused_mlp_forward(self, x):
+    """transformers' ``LlamaMLP.forward`` with gate and up from one GEMM."""
+    gate, up = _linear(x, self.fused_weight, self.fused_bias, self.fused_packed).split(
+        self.fused_sizes, -1)
+    return self.down_proj(self.act_fn(gate) * up)
 
 
 def tiny_model(seed: int = 0, vocab_size: int = 128, num_layers: int = 2):

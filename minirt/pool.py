@@ -376,13 +376,16 @@ def _cache_kwarg(model) -> str:
 
 @torch.inference_mode()
 def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Sequence,
-                  last_only: bool = True) -> list[torch.Tensor]:
+                  last_only: bool = True, working: WorkingKV | None = None
+                  ) -> list[torch.Tensor]:
     """Run ``model`` on the new tokens of several requests through the pool; return logits.
 
     ``tables[r]`` already maps every position of request ``r``, including its
     ``len(new_ids[r])`` new tokens (the last entries), whose K/V this pass writes.
     Returns, per request, the logits of its last token (``[vocab]``) or, with
-    ``last_only=False``, of every new token (``[n_new, vocab]``).
+    ``last_only=False``, of every new token (``[n_new, vocab]``). ``working``: for a
+    decode step (one new token each), attention reads these requests' K/V from this
+    ``WorkingKV`` instead of gathering it from the pool.
     """
     if len(tables) != len(new_ids) or not tables:
         raise PoolError(f"forward_paged needs one page table per request, got {len(tables)} "
@@ -392,6 +395,8 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
         if x.numel() == 0 or len(t) < x.numel():
             raise PoolError(f"request {r}: {x.numel()} new tokens but a page table of {len(t)} "
                             "positions (allocate slots for the new tokens first)")
+    if working is not None and last_only and all(x.numel() == 1 for x in ids):
+        return working.forward(model, tables, torch.cat(ids))
     batch = PagedBatch.build(tables, [x.numel() for x in ids])
     device = pool.device
     input_ids = torch.zeros(len(ids), batch.q_len, dtype=torch.int64)
@@ -410,3 +415,166 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     if last_only:
         return [logits[r, -1] for r in range(len(ids))]
     return [logits[r, batch.q_len - x.numel():] for r, x in enumerate(ids)]
+
+
+# ---------------------------------------------------------------------------
+# Decode without gathering: the running batch's K/V kept contiguous between steps.
+
+
+class WorkingKV:
+    """Running requests' K/V, one contiguous row each, grown by one position per decode step.
+
+    ``PoolLayer`` gathers every position of every request from the pool in every layer of
+    every step. Here a request's row is filled from the pool once, when it joins the
+    decode batch; each step then writes the new token's K/V to its pool slot (the pool
+    stays the source of truth) *and* appends it to the row, and attention reads the rows
+    where they lie: ``[rows, kv_heads, positions, head_dim]`` per layer. The price is a
+    second copy of the running requests' K/V (a shared prefix is once in the pool but
+    once per row here). Rows are keyed by the ``PageTable`` object; a row whose slots no
+    longer match its table is refilled from the pool.
+    """
+
+    def __init__(self, pool: KVPool, grow: int = 256) -> None:
+        self.pool, self.grow = pool, grow
+        self.tables: list[PageTable] = []   # the request each row belongs to
+        self.slots: list[torch.Tensor] = []  # the slots each row holds, in position order
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop every row and give the memory back."""
+        p = self.pool
+        self.tables, self.slots = [], []
+        self.k = torch.zeros(p.num_layers, 0, p.kv_heads, 0, p.head_dim, dtype=p.dtype,
+                             device=p.device)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Positions each row holds."""
+        return torch.tensor([s.numel() for s in self.slots], dtype=torch.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the rows occupy (allocated, including room to grow)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def check(self, tables: Sequence[PageTable]) -> None:
+        """PoolError unless every row serving one of ``tables`` (and still matching its
+        slots) holds exactly the pool's K/V at those slots."""
+        live = {id(t) for t in tables}
+        for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True)):
+            if id(t) not in live or not torch.equal(t.slots[:s.numel()], s):
+                continue  # refilled from the pool before it is read again
+            idx = s.to(self.pool.device)
+            for name in ("k", "v"):
+                row = getattr(self, name)[:, r, :, :s.numel()]
+                if not torch.equal(row, getattr(self.pool, name)[:, idx].transpose(1, 2)):
+                    raise PoolError(f"working {name} row {r} differs from the pool at its "
+                                    "slots: the pool is the source of truth")
+
+    def sync(self, tables: Sequence[PageTable]) -> list[int]:
+        """Rows for exactly ``tables`` (each holding all positions but its last, the new
+        token's); returns, per row, the index in ``tables`` it serves."""
+        index = {id(t): i for i, t in enumerate(tables)}
+        keep = [r for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True))
+                if id(t) in index and torch.equal(t.slots[:s.numel()], s)
+                and s.numel() == len(t) - 1]
+        if keep != list(range(len(self.tables))):  # compact: kept rows first, in order
+            rows = torch.tensor(keep, dtype=torch.int64, device=self.k.device)
+            self.k[:, :len(keep)] = self.k[:, rows]
+            self.v[:, :len(keep)] = self.v[:, rows]
+            self.tables = [self.tables[r] for r in keep]
+            self.slots = [self.slots[r] for r in keep]
+        have = {id(t) for t in self.tables}
+        new = [t for t in tables if id(t) not in have]
+        self._reserve(len(self.tables) + len(new), max(len(t) for t in tables))
+        for t in new:  # the one gather per request: every position it has so far
+            r, old = len(self.tables), t.slots[:-1]
+            idx = old.to(self.pool.device)
+            self.k[:, r, :, :old.numel()] = self.pool.k[:, idx].transpose(1, 2)
+            self.v[:, r, :, :old.numel()] = self.pool.v[:, idx].transpose(1, 2)
+            self.tables.append(t)
+            self.slots.append(old)
+        return [index[id(t)] for t in self.tables]
+
+    def _reserve(self, rows: int, positions: int) -> None:
+        """Room for ``rows`` rows of ``positions`` positions (regrown in steps of ``grow``)."""
+        _, have_rows, _, have_pos, _ = self.k.shape
+        if rows <= have_rows and positions <= have_pos:
+            return
+        rows, positions = max(rows, have_rows), max(positions, have_pos)
+        positions = -(-positions // self.grow) * self.grow
+        used = max((s.numel() for s in self.slots), default=0)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            grown = old.new_zeros(old.shape[0], rows, old.shape[2], positions, old.shape[4])
+            grown[:, :len(self.tables), :, :used] = old[:, :len(self.tables), :, :used]
+            setattr(self, name, grown)
+
+    def forward(self, model, tables: Sequence[PageTable], tokens: torch.Tensor
+                ) -> list[torch.Tensor]:
+        """One decode step: ``tokens[i]`` is the new token of ``tables[i]`` (its last
+        position). Returns each request's next-token logits, in ``tables`` order."""
+        order = self.sync(tables)
+        n = len(order)
+        lengths = self.lengths
+        kv_len = int(lengths.max()) + 1
+        device = self.pool.device
+        layer = _WorkingBatch(torch.stack([tables[i].slots[-1] for i in order]).to(device),
+                              lengths.to(device), kv_len)
+        mask = torch.arange(kv_len)[None, :] <= lengths[:, None]
+        kwargs = {
+            "input_ids": tokens[order].view(n, 1).to(device),
+            "position_ids": lengths.view(n, 1).to(device),
+            "attention_mask": None if bool(mask.all()) else mask.to(device, torch.int64),
+            "use_cache": True,
+            _cache_kwarg(model): _WorkingCache(self, layer),
+            "logits_to_keep": 1,
+        }
+        logits = model(**kwargs).logits[:, -1]
+        for r, i in enumerate(order):
+            self.slots[r] = tables[i].slots
+        out: list[torch.Tensor] = [logits[0]] * n
+        for r, i in enumerate(order):
+            out[i] = logits[r]
+        return out
+
+
+@dataclass
+class _WorkingBatch:
+    new_slots: torch.Tensor  # [n] pool slot of each row's new token
+    lengths: torch.Tensor    # [n] positions each row held before this step
+    kv_len: int              # key positions attention sees (the longest row + 1)
+
+
+class _WorkingLayer(PoolLayer):
+    """One layer of a decode step on ``WorkingKV``: the new K/V go to the pool slot and
+    onto the end of the row; attention gets the rows as they lie (no gather)."""
+
+    def __init__(self, working: WorkingKV, layer_idx: int, batch: _WorkingBatch) -> None:
+        CacheLayerMixin.__init__(self)
+        self.working, self.pool, self.layer_idx, self.batch = (working, working.pool,
+                                                               layer_idx, batch)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        b, w, n = self.batch, self.working, len(self.batch.lengths)
+        k_new, v_new = key_states[:, :, 0], value_states[:, :, 0]  # [n, kv_heads, head_dim]
+        self.pool.write(self.layer_idx, b.new_slots, k_new, v_new)
+        rows = torch.arange(n, device=k_new.device)
+        k, v = w.k[self.layer_idx], w.v[self.layer_idx]
+        k[rows, :, b.lengths] = k_new
+        v[rows, :, b.lengths] = v_new
+        return k[:n, :, :b.kv_len], v[:n, :, :b.kv_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.batch.kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.batch.kv_len - 1
+
+
+class _WorkingCache(Cache):
+    def __init__(self, working: WorkingKV, batch: _WorkingBatch) -> None:
+        super().__init__(layers=[_WorkingLayer(working, i, batch)
+                                 for i in range(working.pool.num_layers)])

@@ -20,6 +20,7 @@ from minirt.model import (
     default_device,
     default_dtype,
     fetch_default_model,
+    fuse_projections,
     load_model,
     tiny_model,
 )
@@ -44,8 +45,20 @@ def _logits_with(model, attention: str, run):
         model.set_attn_implementation(ATTENTION)
 
 
+def _padded_decode(m, ids):
+    """A left-padded batch of two, prefilled, then one decode step: the mask has a pad."""
+    from transformers import DynamicCache
+
+    mask = torch.tensor([[1] * 12, [0] * 4 + [1] * 8])
+    batch = torch.stack([ids[:12], torch.cat([torch.zeros(4, dtype=torch.long), ids[20:28]])])
+    cache = DynamicCache(config=m.config)
+    m(input_ids=batch, attention_mask=mask, cache=cache, use_cache=True)
+    return m(input_ids=ids[30:32, None], attention_mask=torch.cat([mask, mask[:, :1] * 0 + 1], 1),
+             cache=cache, use_cache=True).logits
+
+
 @pytest.mark.parametrize("case", ["extend after a cached prefix", "left-padded batch",
-                                  "plain prefill", "decode step"])
+                                  "plain prefill", "decode step", "padded decode step"])
 def test_minirt_attention_matches_transformers_attention(case):
     """The grouped-head kernel path must give eager attention's numbers on every mask shape."""
     model = tiny_model(3)
@@ -59,11 +72,39 @@ def test_minirt_attention_matches_transformers_attention(case):
             attention_mask=torch.tensor([[1] * 12, [0] * 4 + [1] * 8])).logits[:, 4:],
         "plain prefill": lambda m: prefill(m, ids)[0],
         "decode step": lambda m: extend(m, prefill(m, ids[:39])[1], ids[39:])[0],
+        "padded decode step": lambda m: _padded_decode(m, ids),
     }
     ours = _logits_with(model, ATTENTION, runs[case])
     reference = _logits_with(model, "eager", runs[case])
     assert ours.shape == reference.shape
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["tiny_model", "default model"])
+def test_fused_projections_change_no_weight_and_no_logit(which):
+    """q/k/v and gate/up as one GEMM each: the same parameters (now views of the fused
+    matrices), the same state dict, and the unfused model's logits within fp32 rounding."""
+    if which == "tiny_model":
+        plain, fused = tiny_model(5), tiny_model(5)
+    else:
+        plain, fused = load_model(device="cpu")[0], load_model(device="cpu")[0]
+    layers = plain.config.num_hidden_layers
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    assert fuse_projections(fused) == 2 * layers and fuse_projections(fused) == 0
+    after = fused.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in after)
+    attn = fused.model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.fused_weight.data_ptr()
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == \
+        attn.fused_weight.untyped_storage().data_ptr()
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in plain.parameters())
+    assert repr(fused) == repr(plain)  # what chapter 01 prints about the layers
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # rows of 24 and 2 (prepacked GEMMs), and of 1 (plain)
+        for x in (ids, ids[:, :1], ids[:1, :1]):
+            torch.testing.assert_close(fused(x).logits, plain(x).logits, rtol=1e-4, atol=1e-4)
+        one = extend(fused, prefill(fused, ids[0, :23])[1], ids[0, 23:])[0]
+        torch.testing.assert_close(one, plain(ids[:1]).logits[0, 23:], rtol=1e-4, atol=1e-4)
 
 
 def test_device_and_dtype_choice(monkeypatch):

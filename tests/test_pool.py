@@ -177,3 +177,60 @@ def test_pool_for_model_follows_model_dtype():
     ids = torch.tensor([3, 1, 4, 1, 5])
     got = forward_paged(m, pool, [PageTable(pool.alloc(5))], [ids])[0]
     torch.testing.assert_close(got, m(ids[None]).logits[0, -1])
+
+
+def test_working_kv_decode_equals_gathering_from_the_pool(model):
+    """Decode steps through WorkingKV give the gathering path's logits while requests of
+    different lengths join and leave, its rows always equal the pool at their slots, and a
+    table re-pointed under it (or with a bad K/V slot) is read again from the pool."""
+    from minirt.pool import WorkingKV
+
+    torch.manual_seed(4)
+    pool = KVPool.for_model(model, 256)
+    working = WorkingKV(pool, grow=4)
+    seqs = [torch.randint(0, 128, (n,)) for n in (3, 9, 5, 6)]
+    tables, last = [], []
+    for s in seqs:
+        tables.append(PageTable(pool.alloc(len(s))))
+        last.append(forward_paged(model, pool, [tables[-1]], [s])[0].argmax().reshape(1))
+    batches = [[0, 1], [0, 1], [0, 1, 2], [2, 1, 0], [1, 3, 0], [3, 1, 2]]
+    for step, rows in enumerate(batches):
+        for r in rows:
+            tables[r].append(pool.alloc(1))
+        got = forward_paged(model, pool, [tables[r] for r in rows], [last[r] for r in rows],
+                            working=working)
+        for r, lg in zip(rows, got, strict=True):
+            seq = torch.cat([seqs[r], last[r]])
+            ref = model(seq[None]).logits[0, -1]
+            if step == 4 and r == 0:  # read from the pool (bad slot), not the old row
+                assert not torch.allclose(lg, ref, atol=1e-3)
+                continue
+            torch.testing.assert_close(lg, ref, atol=1e-5, rtol=1e-5)
+            seqs[r], last[r] = seq, lg.argmax().reshape(1)
+        working.check([tables[r] for r in rows])
+        assert sorted(map(id, working.tables)) == sorted(id(tables[r]) for r in rows)
+        if step == 3:  # re-point request 0 at a copy of its K/V, one slot of it wrong
+            copy = pool.alloc(len(tables[0]))
+            for layer in range(pool.num_layers):
+                k, v = pool.gather(layer, tables[0].slots)
+                pool.write(layer, copy, k, v)
+            tables[0].repoint(copy)
+            pool.k[:, int(copy[0])] += 1.0
+    assert working.nbytes > 0
+    working.clear()
+    assert working.nbytes == 0 and working.tables == []
+
+
+def test_working_kv_check_catches_a_row_that_drifted(model):
+    from minirt.pool import WorkingKV
+
+    pool = KVPool.for_model(model, 32)
+    working = WorkingKV(pool)
+    table = PageTable(pool.alloc(4))
+    tok = forward_paged(model, pool, [table], [torch.tensor([5, 6, 7, 8])])[0].argmax()
+    table.append(pool.alloc(1))
+    forward_paged(model, pool, [table], [tok.reshape(1)], working=working)
+    working.check([table])
+    pool.v[1, int(table.slots[2])] += 1.0
+    with pytest.raises(PoolError, match="source of truth"):
+        working.check([table])

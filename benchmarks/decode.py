@@ -1,0 +1,184 @@
+"""minirt's decode step on the real model: ms per step against batch size and context.
+
+    python benchmarks/decode.py                     # the grid and the profiler's split
+    python benchmarks/decode.py --batches 16 --contexts 512 --steps 16
+    python benchmarks/decode.py --threads 2         # torch threads (default: torch's choice)
+
+1. The grid: ``B`` requests (1-32) whose prompts are ``C`` tokens long (128-2,048) run
+   through ``Engine`` until all of them are decoding; then ``--steps`` more
+   ``Engine.step()`` calls are timed, each one decode step for the whole batch (median ms
+   per step; tokens/s = B / step time). The prompts share all but their last 16 tokens,
+   so filling the batch costs one prefill of C tokens instead of B: every request still
+   attends to its own C positions, and nothing in a decode step reads the tree.
+2. The profiler's split of one decode step at ``--profile-at`` (batch, context):
+   the linear layers (GEMMs), attention, K/V traffic between the pool and attention
+   (gathers, writes, appends), every other op, and the time outside any op (Python).
+3. The same step built up one change at a time, the five engines stepped in turn:
+   gathering every request's K/V from the pool in every layer with transformers' sdpa
+   and seven GEMMs per layer (minirt before), then attention with one query row per
+   K/V head, fused q/k/v and gate/up projections, prepacked (oneDNN) weights, and the
+   working K/V (minirt now).
+
+Timings on a shared machine are noisy: run it on a quiet one; the load average is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from minirt.engine import Engine, Request
+from minirt.model import ATTENTION, load_model
+
+OWN = 16  # tokens of each prompt that differ between requests
+
+GROUPS = {
+    "linear layers (GEMMs)": ("aten::mm", "aten::addmm", "aten::linear",
+                              "mkldnn::_linear_pointwise"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_attention_math",
+                  "aten::_scaled_dot_product_efficient_attention",
+                  "aten::_scaled_dot_product_flash_attention",
+                  "aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax"),
+    "K/V traffic (gather, write, append)": ("aten::index_select", "aten::index",
+                                            "aten::index_copy_", "aten::index_put_",
+                                            "aten::cat", "aten::_index_put_impl_"),
+}
+
+
+def batch_engine(model, batch: int, context: int, steps: int, seed: int = 0) -> Engine:
+    """An engine with ``batch`` requests of ``context`` prompt tokens, all decoding."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    shared = torch.randint(1000, vocab, (context - OWN,), generator=gen).tolist()
+    capacity = -(-(context + batch * (OWN + steps + 16)) // 1024) * 1024
+    engine = Engine(model, capacity=capacity, token_budget=context + batch * OWN)
+    for _ in range(batch):
+        own = torch.randint(1000, vocab, (OWN,), generator=gen).tolist()
+        engine.submit(Request(prompt=shared + own, max_new_tokens=steps + 8,
+                              stop_on_eos=False))
+    while engine.waiting:
+        engine.step()
+    engine.step()  # one decode step with the batch complete: warm-up
+    return engine
+
+
+def step_times(engine: Engine, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = engine.step()
+        times.append(time.perf_counter() - start)
+        assert not out.admitted and not out.finished, "the batch changed while timed"
+    return times
+
+
+def grid(model, batches: list[int], contexts: list[int], steps: int) -> None:
+    print(f"\n1. Decode ms per step (median of {steps} steps; tokens/s in brackets)")
+    print(f"{'context':>8} " + " ".join(f"{'B=' + str(b):>16}" for b in batches))
+    for c in contexts:
+        cells = []
+        for b in batches:
+            t = statistics.median(step_times(batch_engine(model, b, c, steps), steps))
+            cells.append(f"{t * 1e3:7.1f} ({b / t:5.0f}/s)")
+        print(f"{c:>8} " + " ".join(f"{x:>16}" for x in cells), flush=True)
+
+
+def profile_split(model, batch: int, context: int, steps: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = batch_engine(model, batch, context, steps)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step_times(engine, steps)
+    wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    in_ops = sum(e.self_cpu_time_total for e in events) / 1e6 / steps
+    print(f"\n2. One decode step at B={batch}, context {context}: {wall * 1e3:.1f} ms under the "
+          f"profiler (mean of {steps})")
+    shown = 0.0
+    for label, names in GROUPS.items():
+        t = sum(e.self_cpu_time_total for e in events if e.key in names) / 1e6 / steps
+        calls = sum(e.count for e in events if e.key in names) / steps
+        shown += t
+        print(f"   {label:<40} {t * 1e3:7.1f} ms {100 * t / wall:5.1f}%  "
+              f"({calls:.0f} calls per step)")
+    print(f"   {'other ops (norms, RoPE, copies, ...)':<40} {(in_ops - shown) * 1e3:7.1f} ms "
+          f"{100 * (in_ops - shown) / wall:5.1f}%")
+    print(f"   {'outside ops (Python, framework)':<40} {(wall - in_ops) * 1e3:7.1f} ms "
+          f"{100 * (wall - in_ops) / wall:5.1f}%")
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
+    print("   top ops by self time: " + ", ".join(
+        f"{e.key} {e.self_cpu_time_total / 1e3 / steps:.1f} ms" for e in top))
+
+
+def choices(batch: int, context: int, steps: int) -> None:
+    """The decode step built up one change at a time, the engines stepped in turn."""
+    from unittest import mock
+
+    from minirt.model import fuse_projections
+
+    plain, fused, packed = (load_model(dtype=torch.float32)[0] for _ in range(3))
+    fuse_projections(fused, prepack=False)
+    fuse_projections(packed)
+    variants = {  # name: (model, attention, keep the working K/V)
+        "gather each layer, transformers' sdpa, 7 GEMMs": (plain, "sdpa", False),
+        "+ one query row per K/V head": (plain, ATTENTION, False),
+        "+ q/k/v and gate/up fused (4 GEMMs)": (fused, ATTENTION, False),
+        "+ prepacked weights": (packed, ATTENTION, False),
+        "+ working K/V, no gather (minirt)": (packed, ATTENTION, True),
+    }
+    engines = {}
+    for name, (model, attention, keep) in variants.items():
+        model.set_attn_implementation(attention)
+        # Engine() fuses the model it serves; the unfused variants must stay unfused.
+        with mock.patch("minirt.engine.fuse_projections", lambda m: 0):
+            engines[name] = engine = batch_engine(model, batch, context, steps + 2)
+        if not keep:
+            engine.lifecycle.working = None
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(steps):
+        for name, (model, attention, _keep) in variants.items():
+            model.set_attn_implementation(attention)
+            times[name] += step_times(engines[name], 1)
+    plain.set_attn_implementation(ATTENTION)
+    outputs = {tuple(tuple(j.output_ids) for j in e.running) for e in engines.values()}
+    print(f"\n3. The decode step at B={batch}, context {context}, one change at a time "
+          f"(median ms of {steps} steps, engines stepped in turn)")
+    base = statistics.median(next(iter(times.values())))
+    for name, t in times.items():
+        m = statistics.median(t)
+        print(f"   {name:<48} {m * 1e3:8.1f} ms  {m / base:5.2f}x")
+    print(f"   same tokens in all {len(variants)}: {len(outputs) == 1}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--profile-at", type=int, nargs=2, default=[16, 600],
+                   metavar=("BATCH", "CONTEXT"))
+    p.add_argument("--no-grid", action="store_true", help="skip the grid")
+    p.add_argument("--no-choices", action="store_true", help="skip the step-by-step table")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _ = load_model(dtype=torch.float32)
+    print(f"device {next(model.parameters()).device}, torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs")
+    if not args.no_grid:
+        grid(model, args.batches, args.contexts, args.steps)
+    profile_split(model, *args.profile_at, args.steps)
+    if not args.no_choices:
+        choices(*args.profile_at, args.steps)
+    print(f"\nload average now {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
