@@ -329,13 +329,14 @@ def _row(policy: str, s: dict, sampler: LoadSampler) -> str:
 
 
 def kill_run(python: str, trace: Trace, path: Path, args, tokenizer, procs: list) -> dict:
-    """Cache-aware replay on fresh replicas; SIGKILL replica r1 once a third of the trace
-    has been sent and the router has a request in flight there."""
+    """Cache-aware replay on fresh replicas; once a third of the trace has been sent, SIGKILL
+    the first replica the router has a request in flight on (cache affinity may leave any
+    one replica idle for the rest of the trace, so the victim is not fixed in advance)."""
     replicas = start_replicas(args.replicas, args.capacity)
     procs.extend(replicas)
     router = start_router(python, [s.base for s in replicas], "cache_aware")
     procs.append(router)
-    victim = replicas[1]
+    by_url = {s.base: (i, s) for i, s in enumerate(replicas)}
     kill: dict = {}
     t0 = time.perf_counter()
 
@@ -344,12 +345,16 @@ def kill_run(python: str, trace: Trace, path: Path, args, tokenizer, procs: list
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                load = next(w["load"] for w in router.workers() if w["url"] == victim.base)
-            except (httpx.HTTPError, StopIteration, ValueError, KeyError):
-                load = 0
-            if load > 0:
+                busy = [(w["load"], w["url"]) for w in router.workers()
+                        if w["load"] > 0 and w["url"] in by_url]
+            except (httpx.HTTPError, ValueError, KeyError):
+                busy = []
+            if busy:
+                load, url = busy[0]
                 kill["in_flight"] = load
                 kill["at"] = time.perf_counter() - t0
+                kill["index"], victim = by_url[url]
+                kill["victim"] = victim
                 victim.process.kill()  # SIGKILL by pid: no goodbye to the router
                 return
             time.sleep(0.02)
@@ -361,6 +366,8 @@ def kill_run(python: str, trace: Trace, path: Path, args, tokenizer, procs: list
     thread.join(130)
     time.sleep(2.5)  # a health check or two
     healthy = {w["url"]: w["is_healthy"] for w in router.workers()}
+    victim = kill.get("victim")
+    name = f"r{kill['index']}" if victim is not None else None
     failed = [r.index for r in report.records if r.error is not None]
     truncated = [r.index for r in report.records
                  if r.error is None and (r.finish_reason is None or
@@ -374,8 +381,9 @@ def kill_run(python: str, trace: Trace, path: Path, args, tokenizer, procs: list
     return {"killed_at": kill.get("at"), "in_flight": kill.get("in_flight"),
             "report": report, "failed": failed, "truncated": truncated, "retry": retry,
             "sent_after": len(after),
-            "victim_after": sum(r.server == "r1" for r in after),
-            "victim_healthy": healthy.get(victim.base), "victim_pid": victim.pid}
+            "victim": name, "victim_after": sum(r.server == name for r in after),
+            "victim_healthy": healthy.get(victim.base) if victim is not None else None,
+            "victim_pid": victim.pid if victim is not None else None}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -459,14 +467,14 @@ def main(argv: list[str] | None = None) -> dict:
             k = kill_run(args.router_python, trace, path, args, tokenizer, procs)
             out["kill"] = k
             ks = stats(k["report"])
-            print(f"\nreplica r1 (pid {k['victim_pid']}) killed with SIGKILL at "
+            print(f"\nreplica {k['victim']} (pid {k['victim_pid']}) killed with SIGKILL at "
                   f"{k['killed_at'] or float('nan'):.1f} s, with {k['in_flight']} requests in "
                   f"flight there; the router then marks it healthy={k['victim_healthy']}")
             print(f"  answered {len(trace.items) - len(k['failed'])} of {len(trace.items)}: "
                   f"{len(k['truncated'])} of those incomplete; {len(k['failed'])} failed "
                   f"with an error: {[k['report'].records[i].error[:80] for i in k['failed']]}")
-            print(f"  of the {k['sent_after']} requests sent from 0.5 s after the kill, r1 "
-                  f"answered {k['victim_after']}")
+            print(f"  of the {k['sent_after']} requests sent from 0.5 s after the kill, "
+                  f"{k['victim']} answered {k['victim_after']}")
             if k["retry"] is not None:
                 print(f"  sent again: {len(k['retry'].ok)} of {len(k['failed'])} answered")
             print(f"  requests per replica: {ks['per_replica']}")
