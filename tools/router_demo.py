@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -57,30 +56,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
-class RouterProcess:
-    """The real router, a child process; ``stop()`` ends it by its pid."""
-
-    process: subprocess.Popen
-    base: str
-    log: Path
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
+class RouterProcess(ServerProcess):
+    """The real router, a child process serving the same ``/v1`` routes as a replica;
+    ``stop()`` (inherited) ends it by its pid."""
 
     def workers(self) -> list[dict]:
         return httpx.get(self.base + "/workers", timeout=5).json()["workers"]
-
-    def stop(self, timeout: float = 20.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
-        return self.process.returncode
 
 
 def start_router(python: str, urls: list[str], policy: str, timeout: float = 60.0,
@@ -99,7 +80,7 @@ def start_router(python: str, urls: list[str], policy: str, timeout: float = 60.
            "--worker-urls", *urls]
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    router = RouterProcess(process, f"http://127.0.0.1:{port}", log)
+    router = RouterProcess(process, f"http://127.0.0.1:{port}/v1", log)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
