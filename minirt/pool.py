@@ -16,7 +16,6 @@ node) never owns tensors, only *slot indices* into the pool:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -368,12 +367,6 @@ class PoolCache(Cache):
         self.batch = batch
 
 
-def _cache_kwarg(model) -> str:
-    """transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 @torch.inference_mode()
 def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Sequence,
                   last_only: bool = True, working: WorkingKV | None = None
@@ -407,7 +400,7 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
         "position_ids": batch.position_ids.to(device),
         "attention_mask": batch.key_mask.to(device=device, dtype=torch.int64) if padded else None,
         "use_cache": True,
-        _cache_kwarg(model): PoolCache(pool, batch.to(device)),
+        "cache": PoolCache(pool, batch.to(device)),
     }
     if last_only:
         kwargs["logits_to_keep"] = 1
@@ -528,7 +521,7 @@ class WorkingKV:
             "position_ids": lengths.view(n, 1).to(device),
             "attention_mask": None if bool(mask.all()) else mask.to(device, torch.int64),
             "use_cache": True,
-            _cache_kwarg(model): _WorkingCache(self, layer),
+            "cache": _WorkingCache(self, layer),
             "logits_to_keep": 1,
         }
         logits = model(**kwargs).logits[:, -1]

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from minirt.errors import ModelUnavailableError, UnknownModelError
+from minirt.errors import ModelError, ModelUnavailableError, UnknownModelError
 from minirt.kv import extend, prefill
 from minirt.model import (
     ATTENTION,
@@ -175,3 +175,12 @@ def test_damaged_cache_is_rebuilt_not_a_crash(monkeypatch, tmp_path):
     assert marker["files"]["model.safetensors"] == weights.stat().st_size
     with open(weights, "rb") as f:
         assert f.read(64) != b"\xff" * 64
+
+
+def test_an_older_transformers_is_refused_by_name(monkeypatch):
+    """Before 5.24 transformers ignores ``cache=``: refuse it rather than serve without K/V."""
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(ModelError, match=r"transformers>=5\.24.*found 5\.17\.0"):
+        tiny_model(0)

@@ -1,0 +1,155 @@
+"""Check, on a GPU, what the book asserts on the CPU: the same greedy tokens with and
+without the cache, the host tier (pinned memory), routing, and the speed ratios.
+
+    python tools/gpu_check.py     # on a machine with CUDA: prints tables; exit 1 on a mismatch
+
+Nothing here is CUDA-specific code: the runtime picks its device at run time
+(``minirt.model.default_device``), and this script only runs the book's workloads there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from minirt.engine import Engine, Request, chat_script, serve_chat
+from minirt.model import default_device, load_model, tiny_model
+from minirt.router import make_replicas, make_router, replay_replicas, tenant_chats
+from minirt.tiers import WRITE_POLICIES, measure_load_back
+
+FAILURES: list[str] = []
+
+
+def check(ok: bool, what: str) -> None:
+    print(f"  [{'ok' if ok else 'MISMATCH'}] {what}")
+    if not ok:
+        FAILURES.append(what)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def tiny_checks(device: torch.device) -> None:
+    """tiny_model on the device: cache on/off, page sizes, every host-tier policy under
+    evictions in both tiers, with the engine's row/pool and integrity checks on."""
+    print(f"\n## tiny_model on {device} (fp32)")
+    model = tiny_model(0).to(device)
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 128, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 128, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 30, (24,), generator=g)]
+    reqs = [Request(prompt=p, max_new_tokens=6, stop_on_eos=False) for p in prompts]
+    ref = Engine(model, use_cache=False, capacity=4096).generate(reqs, progress=False).outputs
+    for page in (1, 16):
+        got = Engine(model, page_size=page, capacity=4096, check=True).generate(
+            reqs, progress=False)
+        check(got.outputs == ref, f"page {page}: outputs equal no-cache "
+              f"({got.totals.cached_tokens} cached tokens)")
+    for policy in WRITE_POLICIES:
+        eng = Engine(model, capacity=256, host_capacity=1024, write_policy=policy, check=True)
+        first, again = eng.generate(reqs, progress=False), eng.generate(reqs, progress=False)
+        stats = eng.host_tier.tier_stats
+        check(first.outputs == ref and again.outputs == ref and stats.loaded_tokens > 0,
+              f"host tier {policy}, served twice: outputs equal no-cache "
+              f"(loaded {stats.loaded_tokens}, host writes {stats.written_tokens}, "
+              f"pinned={eng.host_tier.host_pool.pinned})")
+        eng.host_tier.check_integrity()
+        if device.type == "cuda":
+            check(eng.host_tier.host_pool.pinned, f"host tier {policy}: host pool is pinned")
+
+
+def real_checks(device: torch.device, dtype: torch.dtype | None) -> None:
+    model, tok = load_model(device=device, dtype=dtype)
+    name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"\n## SmolLM2-135M-Instruct on {device} ({name})")
+    script = chat_script(tok, num_conversations=6, turns=3, system_tokens=300)
+    off = serve_chat(Engine(model, tok, use_cache=False), script, 12, progress=False)
+    for page in (1, 16):
+        on = serve_chat(Engine(model, tok, page_size=page, check=True), script, 12,
+                        progress=False)
+        same = sum(a.output_ids == b.output_ids
+                   for a, b in zip(on.results, off.results, strict=True))
+        t_on, t_off = on.totals(), off.totals()
+        check(same == len(off.results), f"chat page {page}: {same}/{len(off.results)} outputs "
+              f"equal no-cache; hit rate {t_on.hit_rate:.2f}; computed {t_on.computed_tokens} "
+              f"vs {t_off.computed_tokens}")
+    for policy in WRITE_POLICIES:
+        eng = Engine(model, tok, capacity=1024, host_capacity=8192, write_policy=policy,
+                     check=True)
+        runs = [serve_chat(eng, script, 12, progress=False) for _ in range(2)]  # 2nd: reuse
+        same = sum(a.output_ids == b.output_ids for on in runs
+                   for a, b in zip(on.results, off.results, strict=True))
+        loaded = eng.host_tier.tier_stats.loaded_tokens
+        check(same == 2 * len(off.results) and loaded > 0,
+              f"host tier {policy}, device pool 1024, served twice: {same}/"
+              f"{2 * len(off.results)} equal; loaded {loaded}, computed "
+              f"{runs[0].totals().computed_tokens} + {runs[1].totals().computed_tokens}")
+    print("\n  load-back vs recompute per token (medians of 5)")
+    for n in (256, 1024, 2048):
+        c = measure_load_back(model, n)
+        print(f"    {n:5d} tokens: load {c.load_per_token * 1e6:7.2f} us/token, recompute "
+              f"{c.recompute_per_token * 1e6:7.2f} us/token, ratio {c.ratio:6.1f}x")
+        check(c.ratio >= 5, f"load-back at least 5x cheaper than recompute at {n} tokens")
+    chats = tenant_chats(tok, tenants=4, conversations=12, turns=2)
+    outs = {}
+    for policy in ("round_robin", "cache_aware"):
+        engines = make_replicas(model, tok, 4, capacity=2048)
+        rep = replay_replicas(engines, make_router(policy, 4), chats, concurrency=8)
+        outs[policy] = {(r.conversation, r.turn): r.output_ids for r in rep.requests}
+        print(f"    routing {policy:12s}: computed {rep.computed_tokens}, hit rate "
+              f"{rep.hit_rate:.2f}, max spread {max(rep.spreads)}")
+    same = sum(outs["cache_aware"][k] == v for k, v in outs["round_robin"].items())
+    check(same == len(outs["round_robin"]), f"routing: {same}/{len(outs['round_robin'])} "
+          "outputs equal between round-robin and cache-aware")
+    burst(model, tok)
+
+
+def burst(model, tok) -> None:
+    """The throughput issue's burst: 16 x (500 shared + 50 own) prompts, 64 tokens each."""
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    shared = torch.randint(100, vocab, (500,), generator=g).tolist()
+    reqs = [Request(prompt=shared + torch.randint(100, vocab, (50,), generator=g).tolist(),
+                    max_new_tokens=64, stop_on_eos=False) for _ in range(16)]
+    walls = []
+    for _ in range(3):
+        eng = Engine(model, tok)
+        sync()
+        t = time.perf_counter()
+        res = eng.generate(reqs, progress=False)
+        sync()
+        walls.append(time.perf_counter() - t)
+    ttft = max(r.metrics.ttft for r in res.results)
+    print(f"\n  burst 16 x (500 + 50) x 64: wall {statistics.median(walls):.3f} s "
+          f"(median of 3), last first token {ttft * 1e3:.1f} ms, "
+          f"{16 * 64 / statistics.median(walls):.0f} output tokens/s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--skip-real", action="store_true", help="tiny_model only")
+    args = p.parse_args()
+    device = default_device()
+    print(f"device {device}"
+          + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else "")
+          + f"; torch {torch.__version__}")
+    import transformers
+
+    print(f"transformers {transformers.__version__}")
+    tiny_checks(device)
+    if not args.skip_real:
+        real_checks(device, None)  # the default dtype: bf16 on CUDA
+        if device.type == "cuda":
+            real_checks(device, torch.float32)
+    print(f"\n{len(FAILURES)} mismatches" + "".join(f"\n  - {f}" for f in FAILURES))
+    sys.exit(1 if FAILURES else 0)
+
+
+if __name__ == "__main__":
+    main()
