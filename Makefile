@@ -75,6 +75,7 @@ test-browser: html
 # On a CUDA machine: the asserts in every notebook still run, outputs are not compared
 # (bf16 numbers differ from the CPU-stored ones), and the tests run with the model on cuda.
 test-gpu: model
+	MINIRT_DEVICE=cuda TQDM_DISABLE=1 $(BIN)/python tools/gpu_check.py
 	MINIRT_DEVICE=cuda TQDM_DISABLE=1 $(BIN)/python -m pytest -q tests --nbval-lax $(CHAPTERS) $(SOLUTIONS)
 
 # Optional, not part of `make test` (about 3 GB and a few minutes to install): vLLM's CPU

@@ -6,7 +6,7 @@ doc ``docs/advanced_features/hicache_design.md``) adds a second, larger pool in 
 memory. ``HiRadixCache`` here is that idea at the book's scale:
 
 * ``HostPool``: K/V storage with the device pool's per-token layout, in CPU memory
-  (pinned when the device is a GPU, so copies can run asynchronously).
+  (pinned when the device is a GPU, as SGLang's host pool is).
 * The host pool is indexed by a second ``RadixCache`` (``HiRadixCache.host``) over host
   slots, with its own LRU eviction of host leaves. Both trees hold whole prefixes, so a
   token path is on the device, on the host, or on both; ``residency()`` merges the two
@@ -103,8 +103,9 @@ class HostPool(KVPool):
     """A ``KVPool`` in host memory shaped like a device pool: where evicted K/V waits.
 
     Same layers, heads, head_dim, dtype and page size as the device pool, ``capacity``
-    tokens, its own free list. On a CUDA device the tensors are pinned (page-locked), so
-    host-to-device copies can be DMA'd without a staging copy; on CPU it is a second store.
+    tokens, its own free list. On a CUDA device the tensors are pinned (page-locked), as
+    an asynchronous engine needs them; ``copy_kv`` gathers rows into a temporary first, so
+    its copies are plain synchronous ones. On CPU it is a second store.
     """
 
     @classmethod
@@ -126,11 +127,12 @@ def copy_kv(src: KVPool, src_slots: torch.Tensor, dst: KVPool, dst_slots: torch.
     """Copy every layer's K and V of ``src_slots`` in ``src`` into ``dst_slots`` of ``dst``.
 
     One gather and one scatter per tensor over all layers at once: what a write to the
-    host or a load back from it costs.
+    host or a load back from it costs. Synchronous: an asynchronous copy to the host would
+    let the scatter there read the rows before they arrive.
     """
     si, di = src_slots.to(src.device), dst_slots.to(dst.device)
     for a, b in ((src.k, dst.k), (src.v, dst.v)):
-        b.index_copy_(1, di, a.index_select(1, si).to(dst.device, non_blocking=True))
+        b.index_copy_(1, di, a.index_select(1, si).to(dst.device))
 
 
 @dataclass(frozen=True, eq=False)
