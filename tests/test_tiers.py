@@ -388,6 +388,22 @@ def test_host_pool_layout_and_copies():
     assert torch.equal(host.v[:, 10:12], pool.v[:, 2:4])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make test-gpu)")
+def test_copies_through_a_pinned_host_pool_are_exact_on_cuda():
+    """Device -> pinned host -> device returns the same K/V, however large the copy (an
+    asynchronous copy to the host once let the host-side scatter read rows too early)."""
+    pool = KVPool(4, 2, 64, 8192, 1, device="cuda")
+    host = HostPool.for_device(pool, 8192)
+    assert host.pinned
+    pool.k.normal_()
+    pool.v.normal_()
+    src, dst = torch.arange(4096), torch.arange(4096, 8192)
+    copy_kv(pool, src, host, src)
+    copy_kv(host, src, pool, dst)
+    assert torch.equal(pool.k[:, 4096:], pool.k[:, :4096])
+    assert torch.equal(pool.v[:, 4096:], pool.v[:, :4096])
+
+
 def test_measure_load_back_on_tiny_model():
     cost = measure_load_back(tiny_model(0), 16, repeats=2)
     assert cost.prompt_len == 16 and cost.repeats == 2
