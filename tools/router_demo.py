@@ -8,8 +8,14 @@ prompts, many conversations, canned replies as history) through the router with
 ``minirt.replay``:
 
 1. ``--policy cache_aware`` and ``--policy round_robin`` (fresh replicas each time): hit
-   rate, prefill tokens computed, and the spread of the router's own queue lengths
-   (sampled from its ``GET /workers`` loads while the trace runs);
+   rate, prefill tokens computed, and the spread of the router's queue lengths where its
+   rule uses them: at each routing decision, max - min of its own in-flight counts per
+   replica (``GET /workers``, read just before the request is sent) once the request
+   is routed. The cache-aware rule bounds that spread by ``balance_abs_threshold + 1``
+   after a decision on balanced loads and sends the request to a least-loaded replica
+   on imbalanced ones; completions between two arrivals can widen the gap further, and
+   then only the shortest-queue choices close it. The checks: every decision within
+   that bound, and the spread after routing at most ``balance_abs_threshold + 1``;
 2. how often ``minirt.router.CacheAwareRouter``, fed the same trace (arrivals and
    completions in the order the client saw them), picks the replica the real router
    picked (each replica names itself in ``system_fingerprint``);
@@ -31,6 +37,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,65 +128,124 @@ def start_replicas(n: int, capacity: int) -> list[ServerProcess]:
     return servers
 
 
-def replica_queue(client: httpx.Client, base: str) -> int | None:
-    """Requests running or waiting in a replica's engine (its ``/metrics`` gauges)."""
-    try:
-        text = client.get(base + "/metrics").text
-    except httpx.HTTPError:
-        return None
-    return sum(int(float(line.split()[-1])) for line in text.splitlines()
-               if line.startswith("minirt_requests{"))
+class RouterLoads:
+    """A replay hook (``minirt.replay``'s ``hook``): the router's own in-flight count per
+    replica (``GET /workers``, the ``load`` its policy reads) just before each request is
+    sent, in send order.
 
-
-class LoadSampler(threading.Thread):
-    """Every ``period`` s: the router's own in-flight count per worker (``GET /workers``,
-    in the router's worker order) and each replica's engine queue (``/metrics``).
-
-    ``samples``: (seconds since ``t0``, router loads, replica queues in replica order).
+    The read blocks the replay's event loop on purpose: no other request of the trace
+    goes out between the read and the request it belongs to.
     """
 
-    def __init__(self, router: RouterProcess, replicas: list[str], period: float = 0.05,
-                 ) -> None:
-        super().__init__(daemon=True)
-        self.router, self.replicas, self.period = router, replicas, period
-        self.samples: list[tuple[float, list[int], list[int | None]]] = []
-        self.t0 = time.perf_counter()
-        self._halt = threading.Event()
+    def __init__(self, router: RouterProcess, names: dict[str, str]) -> None:
+        self.router, self.names = router, names  # names: worker url -> "r0", "r1", ...
+        self.client = httpx.Client(timeout=5)
+        self.before: dict[int, dict[str, int]] = {}
+        self.sent: list[int] = []  # record indices in send order
 
-    def run(self) -> None:
-        with httpx.Client(timeout=5) as client:
-            while not self._halt.is_set():
-                try:
-                    workers = client.get(self.router.base + "/workers").json()["workers"]
-                    loads = [w["load"] if w["is_healthy"] else -1 for w in workers]
-                except (httpx.HTTPError, ValueError, KeyError):
-                    loads = []
-                queues = [replica_queue(client, base) for base in self.replicas]
-                self.samples.append((time.perf_counter() - self.t0, loads, queues))
-                self._halt.wait(self.period)
+    def read(self) -> dict[str, int] | None:
+        try:
+            workers = self.client.get(self.router.base + "/workers").json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+        loads = {self.names[w["url"]]: w["load"] for w in workers
+                 if w["is_healthy"] and w["url"] in self.names}
+        return loads if len(loads) == len(self.names) else None
 
-    def spreads(self, which: str) -> list[int]:
-        """max - min over healthy workers of each sample in which any was busy."""
-        out = []
-        for _, loads, queues in self.samples:
-            xs = [x for x in (loads if which == "router" else queues)
-                  if x is not None and x >= 0]
-            if xs and max(xs) > 0:
-                out.append(max(xs) - min(xs))
-        return out
+    async def __call__(self, rec) -> None:
+        loads = self.read()
+        self.sent.append(rec.index)
+        if loads is not None:
+            self.before[rec.index] = loads
 
-    def loads_at(self, t: float) -> list[int] | None:
-        """The router's loads in the last sample taken before ``t``."""
-        last = None
-        for when, loads, _ in self.samples:
-            if when > t:
-                break
-            last = loads
-        return last
+    def close(self) -> None:
+        self.client.close()
 
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(10)
+
+@dataclass
+class Decision:
+    """One routing decision as the router counted it. ``loads``: its in-flight count per
+    replica read just before the request was sent; ``pick``: the replica that answered;
+    ``exact``: the next arrival's read is this one plus this request's own +1 on
+    ``pick``, so no request finished in between and ``loads`` are the loads the router
+    decided on (a finish a few milliseconds after the read would otherwise be missed)."""
+
+    index: int
+    loads: tuple[int, ...]
+    pick: int
+    exact: bool
+
+    @property
+    def spread_before(self) -> int:
+        return max(self.loads) - min(self.loads)
+
+    @property
+    def spread_after(self) -> int:
+        after = list(self.loads)
+        after[self.pick] += 1
+        return max(after) - min(after)
+
+
+def decisions(report: ReplayReport, loads: RouterLoads, order: list[str]) -> list[Decision]:
+    """The trace's routing decisions in send order, with the router's loads in ``order``
+    (server ids); requests without an answer or a reading are left out."""
+    out = []
+    by_index = {r.index: r for r in report.records}
+    for k, i in enumerate(loads.sent):
+        rec, before = by_index[i], loads.before.get(i)
+        if rec.server not in order or before is None:
+            continue
+        nxt = loads.before.get(loads.sent[k + 1]) if k + 1 < len(loads.sent) else None
+        exact = nxt is not None and all(nxt[sid] - before[sid] == (sid == rec.server)
+                                        for sid in order)
+        out.append(Decision(i, tuple(before[sid] for sid in order), order.index(rec.server),
+                            exact))
+    return out
+
+
+def rule_bound(loads: Sequence[int], abs_threshold: int, rel_threshold: float) -> int:
+    """The widest spread (max - min) the cache-aware rule can leave after routing one
+    request on ``loads``: if they are imbalanced (``max - min > abs`` and
+    ``max > rel * min``) it goes to a least-loaded replica, which cannot widen the
+    spread; otherwise it may go anywhere: ``abs + 1`` when the spread was within
+    ``abs``, one more than before when only ``max <= rel * min`` held."""
+    hi, lo = max(loads), min(loads)
+    if hi - lo > abs_threshold and hi > rel_threshold * lo:
+        return hi - lo
+    return abs_threshold + 1 if hi - lo <= abs_threshold else hi - lo + 1
+
+
+def spread_check(ds: list[Decision], settings: dict) -> dict:
+    """Spreads at the decisions, and the exact ones against the rule: after routing
+    within ``rule_bound``, and on imbalanced loads a least-loaded replica picked."""
+    abs_t, rel_t = settings["balance_abs_threshold"], settings["balance_rel_threshold"]
+    exact = [d for d in ds if d.exact]
+    imbalanced = [d for d in exact if max(d.loads) - min(d.loads) > abs_t
+                  and max(d.loads) > rel_t * min(d.loads)]
+    return {
+        "decisions": len(ds), "exact": len(exact),
+        # sglang-router 0.3.2's round_robin does not count: its loads read 0 throughout
+        "counted": any(sum(d.loads) > 0 for d in ds),
+        "after": [d.spread_after for d in ds], "before": [d.spread_before for d in ds],
+        "imbalanced": len(imbalanced),
+        "imbalanced_to_least": sum(d.loads[d.pick] == min(d.loads) for d in imbalanced),
+        "beyond_bound": [(d.index, d.loads, d.pick) for d in exact
+                         if d.spread_after > rule_bound(d.loads, abs_t, rel_t)],
+    }
+
+
+def client_loads(report: ReplayReport, order: list[str]) -> dict[int, tuple[int, ...]]:
+    """The loads the client can reconstruct at each arrival from its own timestamps:
+    requests sent earlier and not yet answered, per replica that answered them."""
+    out = {}
+    done = [r for r in report.records if r.server in order and r.latency is not None]
+    for rec in report.records:
+        counts = [0] * len(order)
+        for r in done:
+            if r.arrival < rec.arrival < r.arrival + r.latency:
+                counts[order.index(r.server)] += 1
+        out[rec.index] = tuple(counts)
+    return out
 
 
 @dataclass
@@ -207,17 +274,17 @@ def build_trace(tokenizer, tenants: int, conversations: int, turns: int,
 
 
 def run_trace(router: RouterProcess, replicas: list[str], path: Path, rate: float,
-              max_tokens: int, seed: int, tokenizer) -> tuple[ReplayReport, LoadSampler]:
-    """Replay the JSONL trace through the router; the report and the load samples."""
-    sampler = LoadSampler(router, replicas)
-    sampler.start()
+              max_tokens: int, seed: int, tokenizer) -> tuple[ReplayReport, RouterLoads]:
+    """Replay the JSONL trace through the router; the report and the router's loads at
+    each arrival (``replicas``: the worker urls, named r0, r1, ... in this order)."""
+    loads = RouterLoads(router, {url: f"r{i}" for i, url in enumerate(replicas)})
     try:
         report = replay(router.base + "/v1", str(path), rate=rate, seed=seed,
                         max_tokens=max_tokens, model=MODEL_NAME, ignore_eos=True,
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, hook=loads)
     finally:
-        sampler.stop()
-    return report, sampler
+        loads.close()
+    return report, loads
 
 
 def agreement(report: ReplayReport, trace: Trace, order: list[str]) -> tuple[int, int, dict]:
@@ -256,29 +323,28 @@ def agreement(report: ReplayReport, trace: Trace, order: list[str]) -> tuple[int
 
 
 def agreement_same_state(report: ReplayReport, trace: Trace, order: list[str],
-                         listed: list[str], sampler: LoadSampler) -> tuple[int, int]:
-    """The decision rule alone: for each request, the router's loads as last sampled
-    before it arrived and a tree of the real router's own earlier picks; how often
+                         loads: RouterLoads) -> tuple[int, int]:
+    """The decision rule alone: for each request, the router's own loads read just before
+    it was sent and a tree of the real router's own earlier picks; how often
     ``CacheAwareRouter``'s rule picks what the real router picked.
 
-    ``order``: server ids in the tie-break order; ``listed``: in ``GET /workers`` order.
+    ``order``: server ids in the tie-break order.
     """
     ours = CacheAwareRouter(len(order), **SETTINGS)
     index = {sid: i for i, sid in enumerate(order)}
     agree = total = 0
     for rec in sorted(report.records, key=lambda r: r.arrival):
         text = chat_routing_text(trace.items[rec.index][3])
-        sampled = sampler.loads_at(rec.arrival)
-        if rec.server is None or not sampled or min(sampled) < 0:
+        before = loads.before.get(rec.index)
+        if rec.server is None or before is None:
             continue
-        by_id = dict(zip(listed, sampled, strict=True))
-        loads = [by_id[sid] for sid in order]
-        if ours.imbalanced(loads):
-            pick = min(range(len(loads)), key=lambda i: loads[i])
+        now = [before[sid] for sid in order]
+        if ours.imbalanced(now):
+            pick = min(range(len(now)), key=lambda i: now[i])
         else:
             match = ours.tree.prefix_match(text)
             pick = match.tenant if match.rate > ours.cache_threshold \
-                else min(range(len(loads)), key=lambda i: loads[i])
+                else min(range(len(now)), key=lambda i: now[i])
         agree += pick == index[rec.server]
         total += 1
         ours.tree.insert(text, index[rec.server])
@@ -302,11 +368,20 @@ def _spread(xs: list[int]) -> str:
     return f"max {max(xs, default=0)}, mean {sum(xs) / len(xs) if xs else 0:.2f}"
 
 
-def _row(policy: str, s: dict, sampler: LoadSampler) -> str:
-    router = _spread(sampler.spreads("router")) if policy == "cache_aware" else "not kept"
+def _row(policy: str, s: dict, check: dict) -> str:
+    spread = (f"{_spread(check['after']):<18} {check['exact']:>2}/{check['decisions']:<3}"
+              if check["counted"] else f"{'(no count kept)':<18} {'':<6}")
     return (f"{policy:<12} {s['requests']:>4} {s['failed']:>6} {s['prompt']:>7} "
-            f"{s['computed']:>8} {s['hit_rate']:>8.3f}   {_spread(sampler.spreads('queues')):<18}"
-            f" {router:<18} {s['per_replica']}")
+            f"{s['computed']:>8} {s['hit_rate']:>8.3f}   {spread}  {s['per_replica']}")
+
+
+def per_tenant(report: ReplayReport, trace: Trace) -> dict[int, dict[str, int]]:
+    """Requests each tenant sent to each replica."""
+    out: dict[int, dict[str, int]] = {}
+    for r in report.ok:
+        tenant = out.setdefault(trace.items[r.index][1], {})
+        tenant[r.server or "?"] = tenant.get(r.server or "?", 0) + 1
+    return {t: dict(sorted(v.items())) for t, v in sorted(out.items())}
 
 
 def kill_run(python: str, trace: Trace, path: Path, args, tokenizer, procs: list) -> dict:
@@ -395,11 +470,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.max_tokens} new tokens each; {args.replicas} minirt.serve replicas; "
           f"router settings {SETTINGS}")
     procs: list = []
-    out: dict = {"runs": {}}
+    out: dict = {"runs": {}, "settings": dict(SETTINGS)}
     try:
         header = (f"{'policy':<12} {'reqs':>4} {'failed':>6} {'prompt':>7} {'computed':>8} "
-                  f"{'hit rate':>8}   {'engine queues':<18} {'router loads':<18} "
-                  "requests per replica")
+                  f"{'hit rate':>8}   {'spread':<18} {'exact':<7} requests per replica")
         rows = []
         for policy in ("cache_aware", "round_robin"):
             replicas = start_replicas(args.replicas, args.capacity)
@@ -408,22 +482,45 @@ def main(argv: list[str] | None = None) -> dict:
             procs.append(router)
             ids = {s.base: f"r{i}" for i, s in enumerate(replicas)}
             order = [ids[w["url"]] for w in router.workers()]
-            report, sampler = run_trace(router, [s.base for s in replicas], path, args.rate,
-                                        args.max_tokens, args.seed, tokenizer)
+            report, loads = run_trace(router, [s.base for s in replicas], path, args.rate,
+                                      args.max_tokens, args.seed, tokenizer)
             s = stats(report)
-            out["runs"][policy] = {**s, "sampler": sampler, "report": report, "order": order}
-            rows.append(_row(policy, s, sampler))
+            ds = decisions(report, loads, order)
+            check = spread_check(ds, SETTINGS)
+            seen = client_loads(report, order)
+            check["client_agrees"] = sum(seen[d.index] == d.loads for d in ds)
+            out["runs"][policy] = {**s, "loads": loads, "report": report, "order": order,
+                                   "decisions": ds, "spread": check,
+                                   "per_tenant": per_tenant(report, trace)}
+            rows.append(_row(policy, s, check))
             for proc in [router, *replicas]:
                 proc.stop()
-        print("\nthe real router in front of minirt.serve (same trace, fresh replicas each; "
-              "queue spread = max - min over replicas, sampled every 50 ms while busy):")
+        abs_t = SETTINGS["balance_abs_threshold"]
+        print("\nthe real router in front of minirt.serve (same trace, fresh replicas each). "
+              "spread: max - min of the router's own\nin-flight counts per replica (its GET "
+              "/workers, read just before each request was sent) once that request is "
+              "routed;\nexact: decisions after which nothing finished before the next arrival")
         print(header)
         print("\n".join(rows))
         ca, rr = out["runs"]["cache_aware"], out["runs"]["round_robin"]
+        c = ca["spread"]
         print(f"cache_aware computes {ca['computed']} prefill tokens, round_robin "
-              f"{rr['computed']}: {rr['computed'] / max(ca['computed'], 1):.2f}x; "
-              f"the router's load spread: max {max(ca['sampler'].spreads('router'), default=0)}"
-              f" against balance_abs_threshold {SETTINGS['balance_abs_threshold']}")
+              f"{rr['computed']}: {rr['computed'] / max(ca['computed'], 1):.2f}x")
+        print(f"cache_aware, at its {c['decisions']} decisions: spread after routing "
+              f"{dict(sorted(Counter(c['after']).items()))} (max {max(c['after'], default=0)}"
+              f"; before routing, max {max(c['before'], default=0)}) against "
+              f"balance_abs_threshold {abs_t}")
+        print(f"  at the {c['exact']} exact ones: loads imbalanced (spread > {abs_t} and max > "
+              f"{SETTINGS['balance_rel_threshold']} x min) {c['imbalanced']} times, "
+              f"{c['imbalanced_to_least']} of them sent to a least-loaded replica; the spread "
+              f"within the rule's bound ({abs_t + 1} after a balanced decision, no wider than "
+              f"before an imbalanced one) every time: "
+              f"{'yes' if not c['beyond_bound'] else 'no, ' + str(c['beyond_bound'])}")
+        print(f"  the client's own count (requests sent and not yet answered, from its "
+              f"timestamps) equals the router's at {c['client_agrees']} of {c['decisions']} "
+              f"arrivals")
+        print(f"requests per tenant per replica: cache_aware {ca['per_tenant']}; "
+              f"round_robin {rr['per_tenant']}")
 
         # Ties go to the router's first worker in its internal order, which its API does
         # not show (GET /workers lists them in another order): try all orders, keep the best.
@@ -439,10 +536,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  (its replicas in the order {order}, the best of the {len(order)}! orders for "
               f"the router's hidden tie-break; in GET /workers' order {ca['order']}: "
               f"{listed[0]}/{listed[1]})")
-        same, n = agreement_same_state(ca["report"], trace, order, ca["order"], ca["sampler"])
+        same, n = agreement_same_state(ca["report"], trace, order, ca["loads"])
         out["agreement_same_state"] = (same, n)
-        print(f"  its decision rule alone, given the real router's sampled loads and a tree of "
-              f"the real router's own picks: {same}/{n} ({same / max(n, 1):.0%})")
+        print(f"  its decision rule alone, given the real router's loads at each arrival and a "
+              f"tree of the real router's own picks: {same}/{n} ({same / max(n, 1):.0%})")
 
         if not args.no_kill:
             k = kill_run(args.router_python, trace, path, args, tokenizer, procs)

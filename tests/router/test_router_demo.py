@@ -2,9 +2,10 @@
 
 Runs ``tools/router_demo.py`` once (``make test-router``; needs ``.venv-router``, which
 the Makefile builds) and checks what it prints: cache-aware routing computes fewer
-prefill tokens than round-robin on the same trace, ``minirt.router``'s decision rule
-picks what the real router picked, a killed replica loses no answered request, and no
-process outlives the demo.
+prefill tokens than round-robin on the same trace, its queue spread at every routing
+decision stays within the balance thresholds, ``minirt.router``'s decision rule picks
+what the real router picked, a killed replica loses no answered request, and no process
+outlives the demo.
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ def test_cache_aware_computes_less_than_round_robin(demo):
     assert ca["computed"] < rr["computed"]
     assert ca["hit_rate"] > rr["hit_rate"]
     assert sorted(rr["per_replica"].values()) == [12, 12, 12]  # round-robin: in turn
+
+
+def test_the_queue_spread_stays_within_the_balance_thresholds(demo):
+    """At each routing decision, the router's own in-flight counts (read just before the
+    request was sent): after routing, max - min is at most ``balance_abs_threshold + 1``
+    (what the rule allows after a decision on balanced loads); at the decisions read
+    exactly (nothing finished before the next arrival), imbalanced loads sent the
+    request to a least-loaded replica and no decision left a wider spread than the rule
+    allows."""
+    check = demo["runs"]["cache_aware"]["spread"]
+    abs_threshold = demo["settings"]["balance_abs_threshold"]
+    assert check["decisions"] == 36 and check["counted"]  # every request read and answered
+    assert max(check["after"]) <= abs_threshold + 1, sorted(check["after"])
+    assert check["exact"] > 0
+    assert check["beyond_bound"] == []
+    assert check["imbalanced_to_least"] == check["imbalanced"]
 
 
 def test_the_decision_rule_agrees_with_the_real_router(demo):
