@@ -11,15 +11,18 @@ prompts, many conversations, canned replies as history) through the router with
    rate, prefill tokens computed, and the spread of the router's queue lengths where its
    rule uses them: at each routing decision, max - min of its own in-flight counts per
    replica (``GET /workers``, read just before the request is sent) once the request
-   is routed. The cache-aware rule bounds that spread by ``balance_abs_threshold + 1``
-   after a decision on balanced loads and sends the request to a least-loaded replica
-   on imbalanced ones; completions between two arrivals can widen the gap further, and
-   then only the shortest-queue choices close it. The checks: every decision within
-   that bound, and the spread after routing at most ``balance_abs_threshold + 1``;
-2. how often ``minirt.router.CacheAwareRouter``, fed the same trace (arrivals and
+   is routed. The cache-aware rule leaves at most ``balance_abs_threshold + 1`` after a
+   decision on balanced loads and sends the request to a least-loaded replica on
+   imbalanced ones; completions between two arrivals can widen the gap further, and
+   then only the shortest-queue choices close it. Every decision is checked against
+   the rule for the loads the router may have seen (between the read before it and the
+   read before the next arrival);
+2. a skewed trace (one tenant with most conversations) at ``balance_abs_threshold`` 2:
+   the popular tenant's requests pile up on one replica until the router rebalances;
+3. how often ``minirt.router.CacheAwareRouter``, fed the same trace (arrivals and
    completions in the order the client saw them), picks the replica the real router
    picked (each replica names itself in ``system_fingerprint``);
-3. a replica killed mid-run: the router's retries and health check take it out; every
+4. a replica killed mid-run: the router's retries and health check take it out; every
    request the router answered is complete, and any that failed is reported and sent
    again.
 
@@ -53,9 +56,14 @@ from minirt.router import CacheAwareRouter, TenantChats, chat_routing_text, tena
 from minirt.serve import ServerProcess, launch  # noqa: E402
 
 MODEL_NAME = "minirt"
-# The router's settings for the demo (its defaults, except a balance_abs_threshold low
-# enough for a short trace to reach, and a fast health check).
+# The router's settings for the demo: its defaults, except balance_abs_threshold (64 by
+# default, far beyond anything a 36-request trace builds) and a fast health check.
 SETTINGS = {"cache_threshold": 0.3, "balance_abs_threshold": 8, "balance_rel_threshold": 1.5}
+# The skewed run: chapter 09's threshold of 2, low enough that the popular tenant's
+# pile-up makes the router rebalance.
+SKEW_SETTINGS = {**SETTINGS, "balance_abs_threshold": 2}
+SKEW_WEIGHTS = [8, 1, 1]
+SKEW_RATE = 16.0
 
 
 def free_port() -> int:
@@ -73,7 +81,7 @@ class RouterProcess(ServerProcess):
 
 
 def start_router(python: str, urls: list[str], policy: str, timeout: float = 60.0,
-                 ) -> RouterProcess:
+                 settings: dict = SETTINGS) -> RouterProcess:
     """``python -m sglang_router.launch_router`` on free ports, waiting until every
     worker is registered and healthy."""
     port, metrics = free_port(), free_port()
@@ -81,9 +89,9 @@ def start_router(python: str, urls: list[str], policy: str, timeout: float = 60.
     cmd = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
            "--port", str(port), "--prometheus-host", "127.0.0.1",
            "--prometheus-port", str(metrics), "--policy", policy,
-           "--cache-threshold", str(SETTINGS["cache_threshold"]),
-           "--balance-abs-threshold", str(SETTINGS["balance_abs_threshold"]),
-           "--balance-rel-threshold", str(SETTINGS["balance_rel_threshold"]),
+           "--cache-threshold", str(settings["cache_threshold"]),
+           "--balance-abs-threshold", str(settings["balance_abs_threshold"]),
+           "--balance-rel-threshold", str(settings["balance_rel_threshold"]),
            "--health-check-interval-secs", "1", "--log-level", "warn",
            "--worker-urls", *urls]
     with open(log, "w") as out:
@@ -169,17 +177,15 @@ class Decision:
     ``low``/``high``: bounds on the counts it decided on, between ``loads`` and the read
     before the next arrival less this request's own +1 (requests that finished, or an
     earlier one routed only after the read, move a count only one way in between; after
-    the last arrival, anything may have finished). ``exact``: the two reads agree."""
+    the last arrival, anything may have finished). ``exact``: the next read is this one
+    plus this request's +1 and nothing else, so ``loads`` are what the router saw."""
 
     index: int
     loads: tuple[int, ...]
     pick: int
     low: tuple[int, ...]
     high: tuple[int, ...]
-
-    @property
-    def exact(self) -> bool:
-        return self.low == self.high == self.loads
+    exact: bool = False
 
     @property
     def spread_before(self) -> int:
@@ -212,7 +218,8 @@ def decisions(report: ReplayReport, loads: RouterLoads, order: list[str]) -> lis
         then = ((0,) * len(order) if nxt is None else
                 tuple(nxt[sid] - (sid == rec.server) for sid in order))
         low = tuple(max(0, min(a, b)) for a, b in zip(now, then, strict=True))
-        out.append(Decision(i, now, pick, low, tuple(map(max, now, then))))
+        out.append(Decision(i, now, pick, low, tuple(map(max, now, then)),
+                            exact=nxt is not None and then == now))
     return out
 
 
@@ -293,9 +300,11 @@ class Trace:
 
 
 def build_trace(tokenizer, tenants: int, conversations: int, turns: int,
-                system_tokens: int, seed: int) -> Trace:
-    """Turn t of every conversation, then turn t+1 (as concurrent users would send them)."""
-    chats = tenant_chats(tokenizer, tenants, conversations, turns, system_tokens, seed=seed)
+                system_tokens: int, seed: int, weights: list[float] | None = None) -> Trace:
+    """Turn t of every conversation, then turn t+1 (as concurrent users would send them);
+    ``weights``: each tenant's share of the conversations (default equal)."""
+    chats = tenant_chats(tokenizer, tenants, conversations, turns, system_tokens,
+                         weights=weights, seed=seed)
     trace = Trace(chats)
     for t in range(turns):
         for c in range(conversations):
@@ -472,6 +481,30 @@ def kill_run(python: str, trace: Trace, path: Path, args, tokenizer, procs: list
             "victim_pid": victim.pid if victim is not None else None}
 
 
+def serve_trace(args, policy: str, settings: dict, trace: Trace, path: Path, rate: float,
+                tokenizer, procs: list) -> dict:
+    """The trace through the real router (``policy``, ``settings``) on fresh replicas:
+    its stats, the router's loads at each decision and the spread check."""
+    replicas = start_replicas(args.replicas, args.capacity)
+    procs.extend(replicas)
+    router = start_router(args.router_python, [s.base for s in replicas], policy,
+                          settings=settings)
+    procs.append(router)
+    ids = {s.base: f"r{i}" for i, s in enumerate(replicas)}
+    order = [ids[w["url"]] for w in router.workers()]
+    report, loads = run_trace(router, [s.base for s in replicas], path, rate,
+                              args.max_tokens, args.seed, tokenizer)
+    for proc in [router, *replicas]:
+        proc.stop()
+    s = stats(report)
+    ds = decisions(report, loads, order)
+    check = spread_check(ds, settings)
+    seen = client_loads(report, order)
+    check["client_agrees"] = sum(seen[d.index] == d.loads for d in ds)
+    return {**s, "loads": loads, "report": report, "order": order, "decisions": ds,
+            "spread": check, "per_tenant": per_tenant(report, trace)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--router-python", default=str(ROOT / ".venv-router" / "bin" / "python"),
@@ -485,6 +518,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--capacity", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-skew", action="store_true", help="skip the skewed-tenants run")
     p.add_argument("--no-kill", action="store_true", help="skip the killed-replica run")
     args = p.parse_args(argv)
 
@@ -506,30 +540,15 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{'hit rate':>8}   {'spread':<18} {'exact':<7} requests per replica")
         rows = []
         for policy in ("cache_aware", "round_robin"):
-            replicas = start_replicas(args.replicas, args.capacity)
-            procs.extend(replicas)
-            router = start_router(args.router_python, [s.base for s in replicas], policy)
-            procs.append(router)
-            ids = {s.base: f"r{i}" for i, s in enumerate(replicas)}
-            order = [ids[w["url"]] for w in router.workers()]
-            report, loads = run_trace(router, [s.base for s in replicas], path, args.rate,
-                                      args.max_tokens, args.seed, tokenizer)
-            s = stats(report)
-            ds = decisions(report, loads, order)
-            check = spread_check(ds, SETTINGS)
-            seen = client_loads(report, order)
-            check["client_agrees"] = sum(seen[d.index] == d.loads for d in ds)
-            out["runs"][policy] = {**s, "loads": loads, "report": report, "order": order,
-                                   "decisions": ds, "spread": check,
-                                   "per_tenant": per_tenant(report, trace)}
-            rows.append(_row(policy, s, check))
-            for proc in [router, *replicas]:
-                proc.stop()
+            run = serve_trace(args, policy, SETTINGS, trace, path, args.rate, tokenizer, procs)
+            out["runs"][policy] = run
+            rows.append(_row(policy, run, run["spread"]))
         abs_t = SETTINGS["balance_abs_threshold"]
         print("\nthe real router in front of minirt.serve (same trace, fresh replicas each). "
               "spread: max - min of the router's own\nin-flight counts per replica (its GET "
               "/workers, read just before each request was sent) once that request is "
-              "routed;\nexact: decisions after which nothing finished before the next arrival")
+              "routed;\nexact: decisions whose read the next arrival's read confirms (nothing "
+              "finished or was routed in between)")
         print(header)
         print("\n".join(rows))
         ca, rr = out["runs"]["cache_aware"], out["runs"]["round_robin"]
@@ -540,9 +559,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"{dict(sorted(Counter(c['after']).items()))} (max {max(c['after'], default=0)}"
               f"; before routing, max {max(c['before'], default=0)}) against "
               f"balance_abs_threshold {abs_t}")
-        print(f"  read exactly (no request finished before the next arrival) at {c['exact']}: "
-              f"loads imbalanced (spread > {abs_t} and max > {SETTINGS['balance_rel_threshold']}"
-              f" x min) {c['imbalanced']} times, {c['imbalanced_to_least']} of them sent to a "
+        print(f"  read exactly (the next read is this one plus this request) at {c['exact']}: "
+              f"spread after routing max {max(c['exact_after'], default=0)}; loads imbalanced "
+              f"(spread > {abs_t} and max > {SETTINGS['balance_rel_threshold']} x min) "
+              f"{c['imbalanced']} times, {c['imbalanced_to_least']} of them sent to a "
               f"least-loaded replica")
         print(f"  every decision as the rule allows (a least-loaded replica on imbalanced loads; "
               f"after routing, a spread within {abs_t + 1} after balanced ones, no wider than "
@@ -573,6 +593,32 @@ def main(argv: list[str] | None = None) -> dict:
         out["agreement_same_state"] = (same, n)
         print(f"  its decision rule alone, given the real router's loads at each arrival and a "
               f"tree of the real router's own picks: {same}/{n} ({same / max(n, 1):.0%})")
+
+        if not args.no_skew:
+            # Sent fast enough that the popular tenant's requests pile up on its replica
+            # however fast the replicas are, so the balance rule must step in; not all at
+            # once, so that each read of the loads sees the requests sent before it routed.
+            skewed = build_trace(tokenizer, args.tenants, args.conversations, args.turns,
+                                 args.system_tokens, args.seed, weights=SKEW_WEIGHTS)
+            skew_path = skewed.write(work / "skewed.jsonl")
+            sk = serve_trace(args, "cache_aware", SKEW_SETTINGS, skewed, skew_path,
+                             SKEW_RATE, tokenizer, procs)
+            out["skew"] = sk
+            c, abs_s = sk["spread"], SKEW_SETTINGS["balance_abs_threshold"]
+            print(f"\nskewed tenants (weights {SKEW_WEIGHTS}: conversations per tenant "
+                  f"{[skewed.chats.tenant_of.count(t) for t in range(args.tenants)]}), "
+                  f"{len(skewed.items)} requests at Poisson {SKEW_RATE}/s, cache_aware with "
+                  f"balance_abs_threshold {abs_s}:")
+            print(f"  computed {sk['computed']} of {sk['prompt']} prompt tokens (hit rate "
+                  f"{sk['hit_rate']:.3f}); requests per replica {sk['per_replica']}; per tenant "
+                  f"{sk['per_tenant']}")
+            print(f"  read exactly at {c['exact']} of {c['decisions']} decisions: spread after "
+                  f"routing {dict(sorted(Counter(c['exact_after']).items()))} (max "
+                  f"{max(c['exact_after'], default=0)}); loads imbalanced {c['imbalanced']} "
+                  f"times, {c['imbalanced_to_least']} of them sent to a least-loaded replica")
+            print(f"  every decision as the rule allows, for some loads between the read before "
+                  f"it and the read before the next: "
+                  f"{'yes' if not c['against_rule'] else 'no, ' + str(c['against_rule'])}")
 
         if not args.no_kill:
             k = kill_run(args.router_python, trace, path, args, tokenizer, procs)

@@ -3,9 +3,9 @@
 Runs ``tools/router_demo.py`` once (``make test-router``; needs ``.venv-router``, which
 the Makefile builds) and checks what it prints: cache-aware routing computes fewer
 prefill tokens than round-robin on the same trace, its queue spread at every routing
-decision stays within the balance thresholds, ``minirt.router``'s decision rule picks
-what the real router picked, a killed replica loses no answered request, and no process
-outlives the demo.
+decision stays within the balance thresholds, a skewed workload makes it rebalance,
+``minirt.router``'s decision rule picks what the real router picked, a killed replica
+loses no answered request, and no process outlives the demo.
 """
 
 from __future__ import annotations
@@ -79,6 +79,18 @@ def test_the_queue_spread_stays_within_the_balance_thresholds(demo):
     assert check["against_rule"] == []
     assert check["imbalanced_to_least"] == check["imbalanced"]
     assert max(check["after"]) <= abs_threshold + 1, sorted(check["after"])
+
+
+def test_a_skewed_workload_makes_the_router_rebalance(demo):
+    """One tenant with most of the conversations and ``balance_abs_threshold`` 2: its
+    requests pile up on one replica until the loads count as imbalanced, and each such
+    request goes to a least-loaded replica; every decision follows the rule."""
+    skew = demo["skew"]
+    check = skew["spread"]
+    assert skew["failed"] == 0 and check["decisions"] == 36
+    assert check["against_rule"] == []
+    assert check["imbalanced"] >= 1 and check["imbalanced_to_least"] == check["imbalanced"]
+    assert len(skew["per_tenant"][0]) > 1  # the popular tenant was spread over replicas
 
 
 def test_the_decision_rule_agrees_with_the_real_router(demo):
