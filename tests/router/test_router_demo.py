@@ -68,17 +68,18 @@ def test_the_rule_check_rejects_what_the_rule_forbids(tool):
 
 def test_the_queue_spread_stays_within_the_balance_thresholds(demo):
     """At each routing decision, the router's own in-flight counts (read just before the
-    request was sent): the pick is one the rule allows for some counts between that read
-    and the next (a least-loaded replica on imbalanced loads; after routing, a spread of
-    at most ``balance_abs_threshold + 1`` after a decision on balanced ones, and no wider
-    than before after an imbalanced one), and on this balanced workload the spread after
-    routing stays within ``balance_abs_threshold + 1`` at every decision."""
+    request was sent): for some counts between that read and the next, the pick is one
+    the rule allows, so after routing the spread is at most ``balance_abs_threshold + 1``
+    unless the router saw imbalanced loads, and then the request went to a least-loaded
+    replica, which cannot widen it. (Requests that finish between two arrivals can open
+    the gap further, so no fixed bound holds at every decision: at one request per
+    second, for instance, all three tenants found the replicas idle and went to the
+    first, and a backlog there with the other two idle could pass ``abs + 1`` before
+    arrivals close it.)"""
     check = demo["runs"]["cache_aware"]["spread"]
-    abs_threshold = demo["settings"]["balance_abs_threshold"]
     assert check["decisions"] == 36 and check["counted"]  # every request read and answered
-    assert check["against_rule"] == []
+    assert check["against_rule"] == [], check["against_rule"]
     assert check["imbalanced_to_least"] == check["imbalanced"]
-    assert max(check["after"]) <= abs_threshold + 1, sorted(check["after"])
 
 
 def test_a_skewed_workload_makes_the_router_rebalance(demo):
