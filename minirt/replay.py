@@ -26,7 +26,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -174,10 +174,16 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+# Awaited with each record just before its request goes out.
+Hook = Callable[["ReplayRecord"], Awaitable[None]]
+
+
 async def _request(client, model: str, rec: ReplayRecord, t0: float, *, messages=None,
                    prompt=None, max_tokens: int, temperature: float, seed: int | None,
-                   extra: dict) -> None:
+                   extra: dict, hook: Hook | None = None) -> None:
     """Send one streaming request; fill ``rec`` with what came back."""
+    if hook is not None:
+        await hook(rec)
     start = time.perf_counter()
     rec.arrival = start - t0
     common = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
@@ -218,7 +224,7 @@ async def _request(client, model: str, rec: ReplayRecord, t0: float, *, messages
 async def _replay(base_url: str, workload: str, tokenizer, *, rate: float, arrivals: str,
                   seed: int, max_tokens: int, temperature: float, model: str | None,
                   api_key: str, conversations: int, turns: int, system_tokens: int,
-                  num_requests: int, ignore_eos: bool) -> ReplayReport:
+                  num_requests: int, ignore_eos: bool, hook: Hook | None) -> ReplayReport:
     import openai
 
     from .workloads import few_shot, rag
@@ -229,7 +235,7 @@ async def _replay(base_url: str, workload: str, tokenizer, *, rate: float, arriv
         model = (await client.models.list()).data[0].id
     extra = {"ignore_eos": True} if ignore_eos else {}
     sampling = {"max_tokens": max_tokens, "temperature": temperature,
-                "seed": seed if temperature > 0 else None, "extra": extra}
+                "seed": seed if temperature > 0 else None, "extra": extra, "hook": hook}
     records: list[ReplayRecord] = []
     t0 = time.perf_counter()
 
@@ -290,11 +296,14 @@ def replay(base_url: str, workload: str = "chat", *, rate: float = 1.0,
            arrivals: str = "poisson", seed: int = 0, max_tokens: int = 16,
            temperature: float = 0.0, model: str | None = None, api_key: str = "unused",
            conversations: int = 4, turns: int = 3, system_tokens: int = 500,
-           num_requests: int = 8, ignore_eos: bool = False, tokenizer=None) -> ReplayReport:
+           num_requests: int = 8, ignore_eos: bool = False, tokenizer=None,
+           hook: Hook | None = None) -> ReplayReport:
     """Replay ``workload`` against the server at ``base_url`` (ending in ``/v1``).
 
     ``workload``: "chat", "few-shot", "rag" or a JSONL path. ``tokenizer``: the served
     model's (default: the book's model), used to build the workload and the bound.
+    ``hook``: an async callable awaited with each record just before its request is
+    sent, say to read a router's loads at each arrival.
     """
     if workload not in ("chat", "few-shot", "rag") and not Path(workload).is_file():
         raise ValueError(f"workload must be chat, few-shot, rag or a JSONL file; got "
@@ -307,7 +316,7 @@ def replay(base_url: str, workload: str = "chat", *, rate: float = 1.0,
         base_url.rstrip("/"), workload, tokenizer, rate=rate, arrivals=arrivals, seed=seed,
         max_tokens=max_tokens, temperature=temperature, model=model, api_key=api_key,
         conversations=conversations, turns=turns, system_tokens=system_tokens,
-        num_requests=num_requests, ignore_eos=ignore_eos))
+        num_requests=num_requests, ignore_eos=ignore_eos, hook=hook))
 
 
 def main(argv: Sequence[str] | None = None) -> ReplayReport:

@@ -202,9 +202,15 @@ def test_text_deltas_hold_back_stop_prefixes_and_partial_characters():
 
 def test_replay_chat_few_shot_and_jsonl_against_the_server(server, local, tmp_path, capsys):
     _, tokenizer = local
+    hooked = []
+
+    async def hook(rec):  # runs before the request is sent: nothing has come back yet
+        hooked.append((rec.index, rec.ttft, rec.latency, rec.server))
+
     report = replay(server.url, "chat", rate=0, conversations=2, turns=2, system_tokens=120,
-                    max_tokens=4, seed=5, tokenizer=tokenizer)
+                    max_tokens=4, seed=5, tokenizer=tokenizer, hook=hook)
     assert len(report.records) == 4 and not [r for r in report.records if r.error]
+    assert sorted(hooked) == [(i, None, None, None) for i in range(4)]
     for r in report.records:
         assert r.prompt_tokens == len(r.prompt_ids) and 0 < r.ttft <= r.latency
     for c in (0, 1):

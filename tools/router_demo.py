@@ -8,12 +8,21 @@ prompts, many conversations, canned replies as history) through the router with
 ``minirt.replay``:
 
 1. ``--policy cache_aware`` and ``--policy round_robin`` (fresh replicas each time): hit
-   rate, prefill tokens computed, and the spread of the router's own queue lengths
-   (sampled from its ``GET /workers`` loads while the trace runs);
-2. how often ``minirt.router.CacheAwareRouter``, fed the same trace (arrivals and
+   rate, prefill tokens computed, and the spread of the router's queue lengths where its
+   rule uses them: at each routing decision, max - min of its own in-flight counts per
+   replica (``GET /workers``, read just before the request is sent) once the request
+   is routed. The cache-aware rule leaves at most ``balance_abs_threshold + 1`` after a
+   decision on balanced loads and sends the request to a least-loaded replica on
+   imbalanced ones; completions between two arrivals can widen the gap further, and
+   then only the shortest-queue choices close it. Every decision is checked against
+   the rule for the loads the router may have seen (between the read before it and the
+   read before the next arrival);
+2. a skewed trace (one tenant with most conversations) at ``balance_abs_threshold`` 2:
+   the popular tenant's requests pile up on one replica until the router rebalances;
+3. how often ``minirt.router.CacheAwareRouter``, fed the same trace (arrivals and
    completions in the order the client saw them), picks the replica the real router
    picked (each replica names itself in ``system_fingerprint``);
-3. a replica killed mid-run: the router's retries and health check take it out; every
+4. a replica killed mid-run: the router's retries and health check take it out; every
    request the router answered is complete, and any that failed is reported and sent
    again.
 
@@ -31,6 +40,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,9 +56,14 @@ from minirt.router import CacheAwareRouter, TenantChats, chat_routing_text, tena
 from minirt.serve import ServerProcess, launch  # noqa: E402
 
 MODEL_NAME = "minirt"
-# The router's settings for the demo (its defaults, except a balance_abs_threshold low
-# enough for a short trace to reach, and a fast health check).
+# The router's settings for the demo: its defaults, except balance_abs_threshold (64 by
+# default, far beyond anything a 36-request trace builds) and a fast health check.
 SETTINGS = {"cache_threshold": 0.3, "balance_abs_threshold": 8, "balance_rel_threshold": 1.5}
+# The skewed run: chapter 09's threshold of 2, low enough that the popular tenant's
+# pile-up makes the router rebalance.
+SKEW_SETTINGS = {**SETTINGS, "balance_abs_threshold": 2}
+SKEW_WEIGHTS = [8, 1, 1]
+SKEW_RATE = 16.0
 
 
 def free_port() -> int:
@@ -65,7 +81,7 @@ class RouterProcess(ServerProcess):
 
 
 def start_router(python: str, urls: list[str], policy: str, timeout: float = 60.0,
-                 ) -> RouterProcess:
+                 settings: dict = SETTINGS) -> RouterProcess:
     """``python -m sglang_router.launch_router`` on free ports, waiting until every
     worker is registered and healthy."""
     port, metrics = free_port(), free_port()
@@ -73,9 +89,9 @@ def start_router(python: str, urls: list[str], policy: str, timeout: float = 60.
     cmd = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
            "--port", str(port), "--prometheus-host", "127.0.0.1",
            "--prometheus-port", str(metrics), "--policy", policy,
-           "--cache-threshold", str(SETTINGS["cache_threshold"]),
-           "--balance-abs-threshold", str(SETTINGS["balance_abs_threshold"]),
-           "--balance-rel-threshold", str(SETTINGS["balance_rel_threshold"]),
+           "--cache-threshold", str(settings["cache_threshold"]),
+           "--balance-abs-threshold", str(settings["balance_abs_threshold"]),
+           "--balance-rel-threshold", str(settings["balance_rel_threshold"]),
            "--health-check-interval-secs", "1", "--log-level", "warn",
            "--worker-urls", *urls]
     with open(log, "w") as out:
@@ -120,65 +136,153 @@ def start_replicas(n: int, capacity: int) -> list[ServerProcess]:
     return servers
 
 
-def replica_queue(client: httpx.Client, base: str) -> int | None:
-    """Requests running or waiting in a replica's engine (its ``/metrics`` gauges)."""
-    try:
-        text = client.get(base + "/metrics").text
-    except httpx.HTTPError:
-        return None
-    return sum(int(float(line.split()[-1])) for line in text.splitlines()
-               if line.startswith("minirt_requests{"))
+class RouterLoads:
+    """A replay hook (``minirt.replay``'s ``hook``): the router's own in-flight count per
+    replica (``GET /workers``, the ``load`` its policy reads) just before each request is
+    sent, in send order.
 
-
-class LoadSampler(threading.Thread):
-    """Every ``period`` s: the router's own in-flight count per worker (``GET /workers``,
-    in the router's worker order) and each replica's engine queue (``/metrics``).
-
-    ``samples``: (seconds since ``t0``, router loads, replica queues in replica order).
+    The read blocks the replay's event loop on purpose: no other request of the trace
+    goes out between the read and the request it belongs to.
     """
 
-    def __init__(self, router: RouterProcess, replicas: list[str], period: float = 0.05,
-                 ) -> None:
-        super().__init__(daemon=True)
-        self.router, self.replicas, self.period = router, replicas, period
-        self.samples: list[tuple[float, list[int], list[int | None]]] = []
-        self.t0 = time.perf_counter()
-        self._halt = threading.Event()
+    def __init__(self, router: RouterProcess, names: dict[str, str]) -> None:
+        self.router, self.names = router, names  # names: worker url -> "r0", "r1", ...
+        self.client = httpx.Client(timeout=5)
+        self.before: dict[int, dict[str, int]] = {}
+        self.sent: list[int] = []  # record indices in send order
 
-    def run(self) -> None:
-        with httpx.Client(timeout=5) as client:
-            while not self._halt.is_set():
-                try:
-                    workers = client.get(self.router.base + "/workers").json()["workers"]
-                    loads = [w["load"] if w["is_healthy"] else -1 for w in workers]
-                except (httpx.HTTPError, ValueError, KeyError):
-                    loads = []
-                queues = [replica_queue(client, base) for base in self.replicas]
-                self.samples.append((time.perf_counter() - self.t0, loads, queues))
-                self._halt.wait(self.period)
+    def read(self) -> dict[str, int] | None:
+        try:
+            workers = self.client.get(self.router.base + "/workers").json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+        loads = {self.names[w["url"]]: w["load"] for w in workers
+                 if w["is_healthy"] and w["url"] in self.names}
+        return loads if len(loads) == len(self.names) else None
 
-    def spreads(self, which: str) -> list[int]:
-        """max - min over healthy workers of each sample in which any was busy."""
-        out = []
-        for _, loads, queues in self.samples:
-            xs = [x for x in (loads if which == "router" else queues)
-                  if x is not None and x >= 0]
-            if xs and max(xs) > 0:
-                out.append(max(xs) - min(xs))
-        return out
+    async def __call__(self, rec) -> None:
+        loads = self.read()
+        self.sent.append(rec.index)
+        if loads is not None:
+            self.before[rec.index] = loads
 
-    def loads_at(self, t: float) -> list[int] | None:
-        """The router's loads in the last sample taken before ``t``."""
-        last = None
-        for when, loads, _ in self.samples:
-            if when > t:
-                break
-            last = loads
-        return last
+    def close(self) -> None:
+        self.client.close()
 
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(10)
+
+@dataclass
+class Decision:
+    """One routing decision as the router counted it. ``loads``: its in-flight count per
+    replica read just before the request was sent; ``pick``: the replica that answered;
+    ``low``/``high``: bounds on the counts it decided on, between ``loads`` and the read
+    before the next arrival less this request's own +1 (requests that finished, or an
+    earlier one routed only after the read, move a count only one way in between; after
+    the last arrival, anything may have finished). ``exact``: the next read is this one
+    plus this request's +1 and nothing else, so ``loads`` are what the router saw."""
+
+    index: int
+    loads: tuple[int, ...]
+    pick: int
+    low: tuple[int, ...]
+    high: tuple[int, ...]
+    exact: bool = False
+
+    @property
+    def spread_before(self) -> int:
+        return max(self.loads) - min(self.loads)
+
+    @property
+    def spread_after(self) -> int:
+        after = list(self.loads)
+        after[self.pick] += 1
+        return max(after) - min(after)
+
+    def possible_loads(self):
+        """Every count vector between ``low`` and ``high``."""
+        return itertools.product(*(range(lo, hi + 1)
+                                   for lo, hi in zip(self.low, self.high, strict=True)))
+
+
+def decisions(report: ReplayReport, loads: RouterLoads, order: list[str]) -> list[Decision]:
+    """The trace's routing decisions in send order, with the router's loads in ``order``
+    (server ids); requests without an answer or a reading are left out."""
+    out = []
+    by_index = {r.index: r for r in report.records}
+    for k, i in enumerate(loads.sent):
+        rec, before = by_index[i], loads.before.get(i)
+        if rec.server not in order or before is None:
+            continue
+        now = tuple(before[sid] for sid in order)
+        pick = order.index(rec.server)
+        nxt = loads.before.get(loads.sent[k + 1]) if k + 1 < len(loads.sent) else None
+        then = ((0,) * len(order) if nxt is None else
+                tuple(nxt[sid] - (sid == rec.server) for sid in order))
+        low = tuple(max(0, min(a, b)) for a, b in zip(now, then, strict=True))
+        out.append(Decision(i, now, pick, low, tuple(map(max, now, then)),
+                            exact=nxt is not None and then == now))
+    return out
+
+
+def imbalanced(loads: Sequence[int], abs_threshold: int, rel_threshold: float) -> bool:
+    """The cache-aware rule's test: ``max - min > abs`` and ``max > rel * min``."""
+    return max(loads) - min(loads) > abs_threshold and max(loads) > rel_threshold * min(loads)
+
+
+def rule_bound(loads: Sequence[int], abs_threshold: int, rel_threshold: float) -> int:
+    """The widest spread (max - min) the cache-aware rule can leave after routing one
+    request on ``loads``: if they are imbalanced it goes to a least-loaded replica, which
+    cannot widen the spread; otherwise it may go anywhere: ``abs + 1`` when the spread
+    was within ``abs``, one more than before when only ``max <= rel * min`` held."""
+    spread = max(loads) - min(loads)
+    if imbalanced(loads, abs_threshold, rel_threshold):
+        return spread
+    return abs_threshold + 1 if spread <= abs_threshold else spread + 1
+
+
+def follows_rule(d: Decision, abs_threshold: int, rel_threshold: float) -> bool:
+    """Whether some loads the router may have decided on make ``d.pick`` a choice the
+    rule allows: a least-loaded replica when they are imbalanced, and a spread after
+    routing within ``rule_bound``."""
+    for loads in d.possible_loads():
+        after = list(loads)
+        after[d.pick] += 1
+        if max(after) - min(after) <= rule_bound(loads, abs_threshold, rel_threshold) and (
+                not imbalanced(loads, abs_threshold, rel_threshold)
+                or loads[d.pick] == min(loads)):
+            return True
+    return False
+
+
+def spread_check(ds: list[Decision], settings: dict) -> dict:
+    """Spreads at the decisions, and every decision against the rule."""
+    abs_t, rel_t = settings["balance_abs_threshold"], settings["balance_rel_threshold"]
+    exact = [d for d in ds if d.exact]
+    rebalanced = [d for d in exact if imbalanced(d.loads, abs_t, rel_t)]
+    return {
+        "decisions": len(ds), "exact": len(exact),
+        # sglang-router 0.3.2's round_robin does not count: its loads read 0 throughout
+        "counted": any(sum(d.loads) > 0 for d in ds),
+        "after": [d.spread_after for d in ds], "before": [d.spread_before for d in ds],
+        "exact_after": [d.spread_after for d in exact],
+        "imbalanced": len(rebalanced),
+        "imbalanced_to_least": sum(d.loads[d.pick] == min(d.loads) for d in rebalanced),
+        "against_rule": [(d.index, d.loads, d.low, d.high, d.pick) for d in ds
+                         if not follows_rule(d, abs_t, rel_t)],
+    }
+
+
+def client_loads(report: ReplayReport, order: list[str]) -> dict[int, tuple[int, ...]]:
+    """The loads the client can reconstruct at each arrival from its own timestamps:
+    requests sent earlier and not yet answered, per replica that answered them."""
+    out = {}
+    done = [r for r in report.records if r.server in order and r.latency is not None]
+    for rec in report.records:
+        counts = [0] * len(order)
+        for r in done:
+            if r.arrival < rec.arrival < r.arrival + r.latency:
+                counts[order.index(r.server)] += 1
+        out[rec.index] = tuple(counts)
+    return out
 
 
 @dataclass
@@ -196,9 +300,11 @@ class Trace:
 
 
 def build_trace(tokenizer, tenants: int, conversations: int, turns: int,
-                system_tokens: int, seed: int) -> Trace:
-    """Turn t of every conversation, then turn t+1 (as concurrent users would send them)."""
-    chats = tenant_chats(tokenizer, tenants, conversations, turns, system_tokens, seed=seed)
+                system_tokens: int, seed: int, weights: list[float] | None = None) -> Trace:
+    """Turn t of every conversation, then turn t+1 (as concurrent users would send them);
+    ``weights``: each tenant's share of the conversations (default equal)."""
+    chats = tenant_chats(tokenizer, tenants, conversations, turns, system_tokens,
+                         weights=weights, seed=seed)
     trace = Trace(chats)
     for t in range(turns):
         for c in range(conversations):
@@ -207,17 +313,17 @@ def build_trace(tokenizer, tenants: int, conversations: int, turns: int,
 
 
 def run_trace(router: RouterProcess, replicas: list[str], path: Path, rate: float,
-              max_tokens: int, seed: int, tokenizer) -> tuple[ReplayReport, LoadSampler]:
-    """Replay the JSONL trace through the router; the report and the load samples."""
-    sampler = LoadSampler(router, replicas)
-    sampler.start()
+              max_tokens: int, seed: int, tokenizer) -> tuple[ReplayReport, RouterLoads]:
+    """Replay the JSONL trace through the router; the report and the router's loads at
+    each arrival (``replicas``: the worker urls, named r0, r1, ... in this order)."""
+    loads = RouterLoads(router, {url: f"r{i}" for i, url in enumerate(replicas)})
     try:
         report = replay(router.base + "/v1", str(path), rate=rate, seed=seed,
                         max_tokens=max_tokens, model=MODEL_NAME, ignore_eos=True,
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, hook=loads)
     finally:
-        sampler.stop()
-    return report, sampler
+        loads.close()
+    return report, loads
 
 
 def agreement(report: ReplayReport, trace: Trace, order: list[str]) -> tuple[int, int, dict]:
@@ -256,29 +362,28 @@ def agreement(report: ReplayReport, trace: Trace, order: list[str]) -> tuple[int
 
 
 def agreement_same_state(report: ReplayReport, trace: Trace, order: list[str],
-                         listed: list[str], sampler: LoadSampler) -> tuple[int, int]:
-    """The decision rule alone: for each request, the router's loads as last sampled
-    before it arrived and a tree of the real router's own earlier picks; how often
+                         loads: RouterLoads) -> tuple[int, int]:
+    """The decision rule alone: for each request, the router's own loads read just before
+    it was sent and a tree of the real router's own earlier picks; how often
     ``CacheAwareRouter``'s rule picks what the real router picked.
 
-    ``order``: server ids in the tie-break order; ``listed``: in ``GET /workers`` order.
+    ``order``: server ids in the tie-break order.
     """
     ours = CacheAwareRouter(len(order), **SETTINGS)
     index = {sid: i for i, sid in enumerate(order)}
     agree = total = 0
     for rec in sorted(report.records, key=lambda r: r.arrival):
         text = chat_routing_text(trace.items[rec.index][3])
-        sampled = sampler.loads_at(rec.arrival)
-        if rec.server is None or not sampled or min(sampled) < 0:
+        before = loads.before.get(rec.index)
+        if rec.server is None or before is None:
             continue
-        by_id = dict(zip(listed, sampled, strict=True))
-        loads = [by_id[sid] for sid in order]
-        if ours.imbalanced(loads):
-            pick = min(range(len(loads)), key=lambda i: loads[i])
+        now = [before[sid] for sid in order]
+        if ours.imbalanced(now):
+            pick = min(range(len(now)), key=lambda i: now[i])
         else:
             match = ours.tree.prefix_match(text)
             pick = match.tenant if match.rate > ours.cache_threshold \
-                else min(range(len(loads)), key=lambda i: loads[i])
+                else min(range(len(now)), key=lambda i: now[i])
         agree += pick == index[rec.server]
         total += 1
         ours.tree.insert(text, index[rec.server])
@@ -302,11 +407,20 @@ def _spread(xs: list[int]) -> str:
     return f"max {max(xs, default=0)}, mean {sum(xs) / len(xs) if xs else 0:.2f}"
 
 
-def _row(policy: str, s: dict, sampler: LoadSampler) -> str:
-    router = _spread(sampler.spreads("router")) if policy == "cache_aware" else "not kept"
+def _row(policy: str, s: dict, check: dict) -> str:
+    spread = (f"{_spread(check['after']):<18} {check['exact']:>2}/{check['decisions']:<3}"
+              if check["counted"] else f"{'(no count kept)':<18} {'':<6}")
     return (f"{policy:<12} {s['requests']:>4} {s['failed']:>6} {s['prompt']:>7} "
-            f"{s['computed']:>8} {s['hit_rate']:>8.3f}   {_spread(sampler.spreads('queues')):<18}"
-            f" {router:<18} {s['per_replica']}")
+            f"{s['computed']:>8} {s['hit_rate']:>8.3f}   {spread}  {s['per_replica']}")
+
+
+def per_tenant(report: ReplayReport, trace: Trace) -> dict[int, dict[str, int]]:
+    """Requests each tenant sent to each replica."""
+    out: dict[int, dict[str, int]] = {}
+    for r in report.ok:
+        tenant = out.setdefault(trace.items[r.index][1], {})
+        tenant[r.server or "?"] = tenant.get(r.server or "?", 0) + 1
+    return {t: dict(sorted(v.items())) for t, v in sorted(out.items())}
 
 
 def kill_run(python: str, trace: Trace, path: Path, args, tokenizer, procs: list) -> dict:
@@ -367,6 +481,30 @@ def kill_run(python: str, trace: Trace, path: Path, args, tokenizer, procs: list
             "victim_pid": victim.pid if victim is not None else None}
 
 
+def serve_trace(args, policy: str, settings: dict, trace: Trace, path: Path, rate: float,
+                tokenizer, procs: list) -> dict:
+    """The trace through the real router (``policy``, ``settings``) on fresh replicas:
+    its stats, the router's loads at each decision and the spread check."""
+    replicas = start_replicas(args.replicas, args.capacity)
+    procs.extend(replicas)
+    router = start_router(args.router_python, [s.base for s in replicas], policy,
+                          settings=settings)
+    procs.append(router)
+    ids = {s.base: f"r{i}" for i, s in enumerate(replicas)}
+    order = [ids[w["url"]] for w in router.workers()]
+    report, loads = run_trace(router, [s.base for s in replicas], path, rate,
+                              args.max_tokens, args.seed, tokenizer)
+    for proc in [router, *replicas]:
+        proc.stop()
+    s = stats(report)
+    ds = decisions(report, loads, order)
+    check = spread_check(ds, settings)
+    seen = client_loads(report, order)
+    check["client_agrees"] = sum(seen[d.index] == d.loads for d in ds)
+    return {**s, "loads": loads, "report": report, "order": order, "decisions": ds,
+            "spread": check, "per_tenant": per_tenant(report, trace)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--router-python", default=str(ROOT / ".venv-router" / "bin" / "python"),
@@ -380,6 +518,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--capacity", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-skew", action="store_true", help="skip the skewed-tenants run")
     p.add_argument("--no-kill", action="store_true", help="skip the killed-replica run")
     args = p.parse_args(argv)
 
@@ -395,35 +534,46 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.max_tokens} new tokens each; {args.replicas} minirt.serve replicas; "
           f"router settings {SETTINGS}")
     procs: list = []
-    out: dict = {"runs": {}}
+    out: dict = {"runs": {}, "settings": dict(SETTINGS)}
     try:
         header = (f"{'policy':<12} {'reqs':>4} {'failed':>6} {'prompt':>7} {'computed':>8} "
-                  f"{'hit rate':>8}   {'engine queues':<18} {'router loads':<18} "
-                  "requests per replica")
+                  f"{'hit rate':>8}   {'spread':<18} {'exact':<7} requests per replica")
         rows = []
         for policy in ("cache_aware", "round_robin"):
-            replicas = start_replicas(args.replicas, args.capacity)
-            procs.extend(replicas)
-            router = start_router(args.router_python, [s.base for s in replicas], policy)
-            procs.append(router)
-            ids = {s.base: f"r{i}" for i, s in enumerate(replicas)}
-            order = [ids[w["url"]] for w in router.workers()]
-            report, sampler = run_trace(router, [s.base for s in replicas], path, args.rate,
-                                        args.max_tokens, args.seed, tokenizer)
-            s = stats(report)
-            out["runs"][policy] = {**s, "sampler": sampler, "report": report, "order": order}
-            rows.append(_row(policy, s, sampler))
-            for proc in [router, *replicas]:
-                proc.stop()
-        print("\nthe real router in front of minirt.serve (same trace, fresh replicas each; "
-              "queue spread = max - min over replicas, sampled every 50 ms while busy):")
+            run = serve_trace(args, policy, SETTINGS, trace, path, args.rate, tokenizer, procs)
+            out["runs"][policy] = run
+            rows.append(_row(policy, run, run["spread"]))
+        abs_t = SETTINGS["balance_abs_threshold"]
+        print("\nthe real router in front of minirt.serve (same trace, fresh replicas each). "
+              "spread: max - min of the router's own\nin-flight counts per replica (its GET "
+              "/workers, read just before each request was sent) once that request is "
+              "routed;\nexact: decisions whose read the next arrival's read confirms (nothing "
+              "finished or was routed in between)")
         print(header)
         print("\n".join(rows))
         ca, rr = out["runs"]["cache_aware"], out["runs"]["round_robin"]
+        c = ca["spread"]
         print(f"cache_aware computes {ca['computed']} prefill tokens, round_robin "
-              f"{rr['computed']}: {rr['computed'] / max(ca['computed'], 1):.2f}x; "
-              f"the router's load spread: max {max(ca['sampler'].spreads('router'), default=0)}"
-              f" against balance_abs_threshold {SETTINGS['balance_abs_threshold']}")
+              f"{rr['computed']}: {rr['computed'] / max(ca['computed'], 1):.2f}x")
+        print(f"cache_aware, at its {c['decisions']} decisions: spread after routing "
+              f"{dict(sorted(Counter(c['after']).items()))} (max {max(c['after'], default=0)}"
+              f"; before routing, max {max(c['before'], default=0)}) against "
+              f"balance_abs_threshold {abs_t}")
+        print(f"  read exactly (the next read is this one plus this request) at {c['exact']}: "
+              f"spread after routing max {max(c['exact_after'], default=0)}; loads imbalanced "
+              f"(spread > {abs_t} and max > {SETTINGS['balance_rel_threshold']} x min) "
+              f"{c['imbalanced']} times, {c['imbalanced_to_least']} of them sent to a "
+              f"least-loaded replica")
+        print(f"  every decision as the rule allows (a least-loaded replica on imbalanced loads; "
+              f"after routing, a spread within {abs_t + 1} after balanced ones, no wider than "
+              f"before after imbalanced ones) for some loads between the read before it and "
+              f"the read before the next: "
+              f"{'yes' if not c['against_rule'] else 'no, ' + str(c['against_rule'])}")
+        print(f"  the client's own count (requests sent and not yet answered, from its "
+              f"timestamps) equals the router's at {c['client_agrees']} of {c['decisions']} "
+              f"arrivals")
+        print(f"requests per tenant per replica: cache_aware {ca['per_tenant']}; "
+              f"round_robin {rr['per_tenant']}")
 
         # Ties go to the router's first worker in its internal order, which its API does
         # not show (GET /workers lists them in another order): try all orders, keep the best.
@@ -439,10 +589,36 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  (its replicas in the order {order}, the best of the {len(order)}! orders for "
               f"the router's hidden tie-break; in GET /workers' order {ca['order']}: "
               f"{listed[0]}/{listed[1]})")
-        same, n = agreement_same_state(ca["report"], trace, order, ca["order"], ca["sampler"])
+        same, n = agreement_same_state(ca["report"], trace, order, ca["loads"])
         out["agreement_same_state"] = (same, n)
-        print(f"  its decision rule alone, given the real router's sampled loads and a tree of "
-              f"the real router's own picks: {same}/{n} ({same / max(n, 1):.0%})")
+        print(f"  its decision rule alone, given the real router's loads at each arrival and a "
+              f"tree of the real router's own picks: {same}/{n} ({same / max(n, 1):.0%})")
+
+        if not args.no_skew:
+            # Sent fast enough that the popular tenant's requests pile up on its replica
+            # however fast the replicas are, so the balance rule must step in; not all at
+            # once, so that each read of the loads sees the requests sent before it routed.
+            skewed = build_trace(tokenizer, args.tenants, args.conversations, args.turns,
+                                 args.system_tokens, args.seed, weights=SKEW_WEIGHTS)
+            skew_path = skewed.write(work / "skewed.jsonl")
+            sk = serve_trace(args, "cache_aware", SKEW_SETTINGS, skewed, skew_path,
+                             SKEW_RATE, tokenizer, procs)
+            out["skew"] = sk
+            c, abs_s = sk["spread"], SKEW_SETTINGS["balance_abs_threshold"]
+            print(f"\nskewed tenants (weights {SKEW_WEIGHTS}: conversations per tenant "
+                  f"{[skewed.chats.tenant_of.count(t) for t in range(args.tenants)]}), "
+                  f"{len(skewed.items)} requests at Poisson {SKEW_RATE}/s, cache_aware with "
+                  f"balance_abs_threshold {abs_s}:")
+            print(f"  computed {sk['computed']} of {sk['prompt']} prompt tokens (hit rate "
+                  f"{sk['hit_rate']:.3f}); requests per replica {sk['per_replica']}; per tenant "
+                  f"{sk['per_tenant']}")
+            print(f"  read exactly at {c['exact']} of {c['decisions']} decisions: spread after "
+                  f"routing {dict(sorted(Counter(c['exact_after']).items()))} (max "
+                  f"{max(c['exact_after'], default=0)}); loads imbalanced {c['imbalanced']} "
+                  f"times, {c['imbalanced_to_least']} of them sent to a least-loaded replica")
+            print(f"  every decision as the rule allows, for some loads between the read before "
+                  f"it and the read before the next: "
+                  f"{'yes' if not c['against_rule'] else 'no, ' + str(c['against_rule'])}")
 
         if not args.no_kill:
             k = kill_run(args.router_python, trace, path, args, tokenizer, procs)
