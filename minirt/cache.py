@@ -318,7 +318,8 @@ class RadixCache:
     matches and inserts are rounded down to whole pages, and splits happen only at page
     boundaries. ``policy`` picks eviction victims ("lru", "lfu", "fifo", "priority", or an
     ``EvictionPolicy``). A ``salt`` on match/insert keys the request's nodes with it
-    (``SaltedKey``): requests with different salts never share a node.
+    (``SaltedKey``): requests with different salts never share a node. Ids are checked on
+    every call, unless they come as ``TokenIds`` (checked once, when made).
     """
 
     def __init__(self, page_size: int = 1, policy: str | EvictionPolicy = "lru") -> None:
@@ -346,7 +347,8 @@ class RadixCache:
 
     # ------------------------------------------------------------------ match and insert
 
-    def match_prefix(self, ids: IdsLike, *, priority: int = 0, salt: Salt = None) -> MatchResult:
+    def match_prefix(self, ids: IdsLike | TokenIds, *, priority: int = 0,
+                     salt: Salt = None) -> MatchResult:
         """The longest cached prefix of ``ids``, in whole pages: handle, length, slot indices.
 
         If the match ends inside a node, that node is split there so that the handle's
@@ -367,7 +369,7 @@ class RadixCache:
         return MatchResult(CacheHandle(node, cached_len), cached_len, tuple(runs))
 
     def insert_prefix(
-        self, ids: IdsLike, indices: IdsLike, *, priority: int = 0, salt: Salt = None
+        self, ids: IdsLike | TokenIds, indices: IdsLike, *, priority: int = 0, salt: Salt = None
     ) -> InsertResult:
         """Cache ``ids[:n]`` with K/V in slots ``indices[:n]``, n = len(ids) rounded down to pages.
 
@@ -389,7 +391,7 @@ class RadixCache:
         if cached_len:
             self._touch(node, priority, hit=False)
         if cached_len < n:
-            key, value = ids[cached_len:n], slots[cached_len:n]  # views of the checked ids
+            key, value = ids[cached_len:n], slots[cached_len:n]  # views of the checked copies
             if cached_len:  # buffers of its own, so the leaf does not keep the prefix alive
                 key, value = _copy(key), _copy(value)
             node = self._add_leaf(node, key, value, priority, salt)
@@ -410,7 +412,7 @@ class RadixCache:
         self._heap.push(leaf)
         return leaf
 
-    def peek_prefix_len(self, ids: IdsLike, *, salt: Salt = None) -> int:
+    def peek_prefix_len(self, ids: IdsLike | TokenIds, *, salt: Salt = None) -> int:
         """The length ``match_prefix`` would return, read only: no split, no access time, no
         statistics (what a scheduler peeks at for every waiting prompt)."""
         ids, salt = as_token_view(ids), check_salt(salt)
@@ -569,7 +571,7 @@ class RadixCache:
     def _remove_leaf(self, node: RadixNode) -> None:
         """Detach an evictable leaf; its parent may become an evictable leaf itself."""
         parent = node.parent
-        assert parent is not None and is_evictable_leaf(node)
+        assert parent is not None  # pop hands out evictable leaves only
         del parent.children[node.key_fn(node.key)]
         node.parent = None  # marks the node evicted: handles to it are now stale
         self._evictable -= node.length
