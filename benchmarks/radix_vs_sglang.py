@@ -11,11 +11,15 @@ their other imports (KV events and metrics off, as in SGLang's defaults).
 
 Per request, both caches do what a server does (timed as one "request path"): match
 the prompt, read the cached prefix's slot indices, lock the match, insert the whole
-sequence with fresh slots, unlock. Each keeps its own copy of what it caches: minirt
-copies the new tokens and slots; SGLang clones the slots, and its insert key is a fresh
-slice of the request's ids, as its server path (``RadixCache.checkpoint``) makes it
-(handing it the trace's preallocated array would leave the cost of that memory out of
-its timing). Then the tree is evicted to empty, a request's
+sequence with fresh slots, unlock. Both are handed the same objects: the request's ids
+as an ``array('q')`` (SGLang's ``RadixKey`` type) and its fresh slots as an int64 tensor.
+minirt checks the ids once per request (``TokenIds``, inside the timing) and hands the
+checked ids to both its match and its insert; it checks the slots in its insert. Each
+keeps its own copy of what it caches: minirt copies the ids once (the checked copy,
+read-only, which the tree then shares) and the slots; SGLang clones the slots, and its
+insert key is a fresh slice of the request's ids, as its server path
+(``RadixCache.checkpoint``) makes it (handing it the trace's preallocated array would
+leave the cost of that memory out of its timing). Then the tree is evicted to empty, a request's
 worth of tokens per call (as a server making room), timed as "eviction".
 
 Every request's matched length, its slot indices and the already-cached length of
@@ -46,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from minirt.cache import RadixCache
+from minirt.cache import RadixCache, TokenIds
 
 SGLANG = "sglang==0.5.23"
 SGLANG_FILES = ("cache_init_params.py", "evict_policy.py", "base_prefix_cache.py", "radix_cache.py")
@@ -212,13 +216,13 @@ def load_sglang(wheel: Path) -> types.SimpleNamespace:
 
 @dataclass
 class Trace:
-    """A workload as each contender takes it: minirt tensors, SGLang arrays, fresh slots."""
+    """A workload as both contenders take it: each request's ids as an int64 array, its
+    fresh slots as an int64 tensor."""
 
     name: str
     requests: list[list[int]]
 
     def __post_init__(self) -> None:
-        self.tensors = [torch.tensor(r, dtype=torch.int64) for r in self.requests]
         self.arrays = [array("q", r) for r in self.requests]
         self.slots, start = [], 0
         for r in self.requests:  # fresh slots for the whole sequence, as after a prefill
@@ -250,7 +254,8 @@ class Minirt(Contender):
         return RadixCache(page_size=page_size)
 
     def serve(self, cache: RadixCache, trace: Trace, record: list | None = None) -> None:
-        for ids, slots in zip(trace.tensors, trace.slots, strict=True):
+        for request, slots in zip(trace.arrays, trace.slots, strict=True):
+            ids = TokenIds(request)  # checked once per request, for both match and insert
             m = cache.match_prefix(ids)
             prefix = m.indices
             cache.lock(m.handle)

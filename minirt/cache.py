@@ -15,6 +15,7 @@ Every token the tree holds is either *evictable* (no request uses it) or *protec
 from __future__ import annotations
 
 import sys
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -41,6 +42,7 @@ __all__ = [
     "RadixCache",
     "SaltedKey",
     "SizeInfo",
+    "TokenIds",
     "as_ids",
     "as_token_view",
     "check_salt",
@@ -56,7 +58,7 @@ _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 IdsLike = torch.Tensor | Sequence[int]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never reassigned (frozen: 4x dearer to make)
 class CacheHandle:
     """Where a match (or insert) ended: ``node`` and the prefix length ``cached_len`` it spells.
 
@@ -68,13 +70,14 @@ class CacheHandle:
     cached_len: int
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class MatchResult:
     """``match_prefix``'s answer: a handle, the cached prefix's length and its slot runs.
 
     ``indices``, the prefix's slots as one int64 tensor, is built from ``runs`` (the
     matched nodes' values, root side first) when read: the tree itself works on
-    ``Tokens`` views, and a tensor is made only where a caller asks for one.
+    ``Tokens`` views, and a tensor is made only where a caller asks for one. A plain
+    record, made once per call (a frozen one costs three times as much to make).
     """
 
     handle: CacheHandle
@@ -86,9 +89,9 @@ class MatchResult:
         return slots_tensor(self.runs)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class InsertResult:
-    """``insert_prefix``'s answer.
+    """``insert_prefix``'s answer, a plain record like ``MatchResult``.
 
     ``cached_len``: leading tokens that were already cached (the caller's own slots for
     them are duplicates to free); ``handle``: the node ending at the inserted length;
@@ -131,32 +134,85 @@ class CacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-def as_ids(x: IdsLike, what: str = "ids") -> torch.Tensor:
+class TokenIds:
+    """Token ids checked once (1-D, integers, none negative) and packed as ``Tokens``.
+
+    The cache checks ids on every call that takes them, a few microseconds for a
+    thousand tokens; a ``TokenIds`` it takes as it is, since it was checked when it was
+    made and its buffer is read-only. A server makes one per request as the request
+    arrives and hands it to both ``match_prefix`` and ``insert_prefix``. A slice is a
+    ``TokenIds`` too, and copies nothing.
+    """
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, ids: IdsLike | TokenIds, what: str = "ids") -> None:
+        self._tokens = as_token_view(ids, what)
+
+    @property
+    def tokens(self) -> Tokens:
+        """The checked ids as a read-only int64 view."""
+        return self._tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, part: slice) -> TokenIds:
+        if not isinstance(part, slice) or part.step not in (None, 1):
+            raise TypeError(f"TokenIds take contiguous slices only, got {part!r}")
+        view = object.__new__(TokenIds)  # a slice of checked ids needs no check
+        view._tokens = self._tokens[part]
+        return view
+
+    def tolist(self) -> list[int]:
+        return self._tokens.tolist()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TokenIds) and self._tokens == other._tokens
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        ids = self.tolist()
+        shown = ids if len(ids) <= 8 else [*ids[:6], "...", ids[-1]]
+        return f"TokenIds({shown}, len={len(ids)})"
+
+
+def as_ids(x: IdsLike | TokenIds, what: str = "ids") -> torch.Tensor:
     """``x`` (a list, tuple, array or tensor of non-negative ints) as a 1-D int64 CPU tensor.
 
     Raises InvalidIdsError naming ``what`` for anything else: wrong rank, a float or bool
     dtype, negative entries, or values that are not integers at all.
     """
+    if type(x) is TokenIds:
+        return torch.tensor(x.tolist(), dtype=torch.int64)
     t = _int64_tensor(x, what)
-    _check_non_negative(t.numpy().tobytes(), t, what)
+    _check_non_negative(t.numpy().tobytes(), what)
     return t
 
 
-def as_token_view(x: IdsLike, what: str = "ids") -> Tokens:
+def as_token_view(x: IdsLike | TokenIds, what: str = "ids") -> Tokens:
     """``x`` checked as by ``as_ids`` and copied once into ``Tokens``: the one conversion
-    a request's ids (or slots) go through per call.
+    a request's ids (or slots) go through per call. A ``TokenIds`` was checked when it
+    was made: its view is returned as it is.
 
     Every later step compares and slices this view, with no tensor op per tree level.
     """
-    t = _int64_tensor(x, what)
-    packed = t.numpy().tobytes()
-    _check_non_negative(packed, t, what)
+    if type(x) is TokenIds:
+        return x._tokens
+    if type(x) is array and x.typecode == "q":
+        packed = x.tobytes()  # int64 already: no tensor needed
+    else:
+        packed = _int64_tensor(x, what).numpy().tobytes()
+    _check_non_negative(packed, what)
     return memoryview(packed).cast("q")
 
 
 def _int64_tensor(x: IdsLike, what: str) -> torch.Tensor:
     """``x`` as a 1-D int64 CPU tensor, if it has that rank and an integer type."""
     if isinstance(x, torch.Tensor):
+        if x.dtype is torch.int64 and x.dim() == 1 and x.is_cpu:
+            return x  # the common case: nothing to convert
         t = x
     elif isinstance(x, (list, tuple)) and len(x) == 0:
         return torch.empty(0, dtype=torch.int64)
@@ -177,16 +233,17 @@ def _int64_tensor(x: IdsLike, what: str) -> torch.Tensor:
 _SIGN_BYTE = 7 if sys.byteorder == "little" else 0  # where an int64's top byte sits
 
 
-def _check_non_negative(packed: bytes, t: torch.Tensor, what: str) -> None:
-    """Raise unless every int64 packed in ``packed`` (``t``'s bytes) is >= 0.
+def _check_non_negative(packed: bytes, what: str) -> None:
+    """Raise unless every int64 packed in ``packed`` is >= 0.
 
     A negative int64 has its sign bit set, so its top byte is >= 0x80: the ids are all
     non-negative exactly when their top bytes, taken together, are ASCII. One pass in C,
     cheaper than a tensor reduction on request-sized inputs.
     """
     if not packed[_SIGN_BYTE::8].isascii():
-        bad = int((t < 0).nonzero()[0, 0])
-        raise InvalidIdsError(f"{what} must be non-negative, got {int(t[bad])} at position {bad}")
+        ids = memoryview(packed).cast("q")
+        bad = next(i for i, v in enumerate(ids) if v < 0)
+        raise InvalidIdsError(f"{what} must be non-negative, got {ids[bad]} at position {bad}")
 
 
 def slots_tensor(runs: Iterable[Tokens]) -> torch.Tensor:
@@ -261,7 +318,8 @@ class RadixCache:
     matches and inserts are rounded down to whole pages, and splits happen only at page
     boundaries. ``policy`` picks eviction victims ("lru", "lfu", "fifo", "priority", or an
     ``EvictionPolicy``). A ``salt`` on match/insert keys the request's nodes with it
-    (``SaltedKey``): requests with different salts never share a node.
+    (``SaltedKey``): requests with different salts never share a node. Ids are checked on
+    every call, unless they come as ``TokenIds`` (checked once, when made).
     """
 
     def __init__(self, page_size: int = 1, policy: str | EvictionPolicy = "lru") -> None:
@@ -289,7 +347,8 @@ class RadixCache:
 
     # ------------------------------------------------------------------ match and insert
 
-    def match_prefix(self, ids: IdsLike, *, priority: int = 0, salt: Salt = None) -> MatchResult:
+    def match_prefix(self, ids: IdsLike | TokenIds, *, priority: int = 0,
+                     salt: Salt = None) -> MatchResult:
         """The longest cached prefix of ``ids``, in whole pages: handle, length, slot indices.
 
         If the match ends inside a node, that node is split there so that the handle's
@@ -298,17 +357,19 @@ class RadixCache:
         Does not lock: call ``lock(result.handle)`` to keep the prefix from eviction.
         """
         ids = as_token_view(ids)
-        priority = _check_priority(priority)
-        node, cached_len, runs = self._descend(ids, check_salt(salt))
+        if type(priority) is not int or salt is not None:  # the defaults need no check
+            priority, salt = _check_priority(priority), check_salt(salt)
+        node, cached_len, runs = self._descend(ids, salt)
         self._tick += 1
-        self._touch(node, priority, hit=True)
+        if cached_len:  # nothing matched, nothing to stamp
+            self._touch(node, priority, hit=True)
         self._queries += 1
         self._query_tokens += len(ids)
         self._hit_tokens += cached_len
         return MatchResult(CacheHandle(node, cached_len), cached_len, tuple(runs))
 
     def insert_prefix(
-        self, ids: IdsLike, indices: IdsLike, *, priority: int = 0, salt: Salt = None
+        self, ids: IdsLike | TokenIds, indices: IdsLike, *, priority: int = 0, salt: Salt = None
     ) -> InsertResult:
         """Cache ``ids[:n]`` with K/V in slots ``indices[:n]``, n = len(ids) rounded down to pages.
 
@@ -322,30 +383,36 @@ class RadixCache:
             raise InvalidIdsError(
                 f"ids and indices must have the same length, got {len(ids)} and {len(slots)}"
             )
-        priority = _check_priority(priority)
-        salt = check_salt(salt)
+        if type(priority) is not int or salt is not None:
+            priority, salt = _check_priority(priority), check_salt(salt)
         n = len(ids) - len(ids) % self.page_size
         node, cached_len, runs = self._descend(ids[:n], salt)
         self._tick += 1
+        if cached_len:
+            self._touch(node, priority, hit=False)
         if cached_len < n:
-            key, value = ids[cached_len:n], slots[cached_len:n]  # views of this call's copies
+            key, value = ids[cached_len:n], slots[cached_len:n]  # views of the checked copies
             if cached_len:  # buffers of its own, so the leaf does not keep the prefix alive
                 key, value = _copy(key), _copy(value)
-            key_fn = self.key_fn if salt is None else SaltedKey(self.key_fn, salt)
-            leaf = RadixNode(key_fn, key, value, self._tick)
-            leaf.priority = priority
-            leaf.parent = node
-            node.children[key_fn(leaf.key)] = leaf
-            self._evictable += leaf.length
-            self._num_nodes += 1
-            runs.append(leaf.value)
-            node = leaf
-        self._touch(node, priority, hit=False)
-        if cached_len < n:
-            self._heap.push(node)  # a new evictable leaf
+            node = self._add_leaf(node, key, value, priority, salt)
+            runs.append(node.value)
         return InsertResult(cached_len, CacheHandle(node, n), tuple(runs))
 
-    def peek_prefix_len(self, ids: IdsLike, *, salt: Salt = None) -> int:
+    def _add_leaf(self, parent: RadixNode, key: Tokens, value: Tokens, priority: int,
+                  salt: Salt) -> RadixNode:
+        """Hang a new leaf under ``parent``, stamped with the current tick; it is evictable
+        (nothing locks it yet), so it is filed in the eviction heap."""
+        key_fn = self.key_fn if salt is None else SaltedKey(self.key_fn, salt)
+        leaf = RadixNode(key_fn, key, value, self._tick)
+        leaf.priority = priority
+        leaf.parent = parent
+        parent.children[key_fn(key)] = leaf
+        self._evictable += leaf.length
+        self._num_nodes += 1
+        self._heap.push(leaf)
+        return leaf
+
+    def peek_prefix_len(self, ids: IdsLike | TokenIds, *, salt: Salt = None) -> int:
         """The length ``match_prefix`` would return, read only: no split, no access time, no
         statistics (what a scheduler peeks at for every waiting prompt)."""
         ids, salt = as_token_view(ids), check_salt(salt)
@@ -504,7 +571,7 @@ class RadixCache:
     def _remove_leaf(self, node: RadixNode) -> None:
         """Detach an evictable leaf; its parent may become an evictable leaf itself."""
         parent = node.parent
-        assert parent is not None and is_evictable_leaf(node)
+        assert parent is not None  # pop hands out evictable leaves only
         del parent.children[node.key_fn(node.key)]
         node.parent = None  # marks the node evicted: handles to it are now stale
         self._evictable -= node.length

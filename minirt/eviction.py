@@ -218,9 +218,12 @@ class LeafHeap:
         return live
 
     def _rebuild(self) -> None:
-        """One entry per evictable leaf, under its current key; drop everything else."""
-        leaves = [n for n, _ in self._filed.values() if is_evictable_leaf(n)]
-        self._filed = {n.id: (n, self._entry(n)) for n in leaves}
+        """One entry per evictable leaf, its latest (which keeps the promise); drop the rest.
+
+        No key is computed: a leaf whose key grew since is re-filed when its entry
+        surfaces, as it would have been without the rebuild.
+        """
+        self._filed = {i: filed for i, filed in self._filed.items() if is_evictable_leaf(filed[0])}
         self._heap = [entry for _, entry in self._filed.values()]
         heapq.heapify(self._heap)
         self._rebuild_at = max(64, 2 * len(self._heap))

@@ -135,7 +135,7 @@ def copy_kv(src: KVPool, src_slots: torch.Tensor, dst: KVPool, dst_slots: torch.
         b.index_copy_(1, di, a.index_select(1, si).to(dst.device))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class TierMatchResult(MatchResult):
     """``HiRadixCache.match_prefix``'s answer: a ``MatchResult`` whose prefix (``cached_len``
     tokens) is on the device. ``loaded_len`` of its last tokens were loaded back from the

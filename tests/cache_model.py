@@ -11,6 +11,7 @@ victim it picks, which tests/test_eviction.py checks separately.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minirt.cache import CacheHandle, RadixCache
+from minirt.cache import CacheHandle, RadixCache, TokenIds
 from minirt.errors import (
     HandleError,
     InvalidIdsError,
@@ -122,9 +123,12 @@ bad_ids = st.sampled_from(
         torch.tensor([[1, 2]]),
         torch.tensor(3),
         torch.tensor([4, -1]),
+        array("q", [4, -1]),
         [2**70],
     ]
 )
+# The forms a request's ids may take: a list, ids checked once (TokenIds), an int64 array.
+id_forms = st.sampled_from([list, TokenIds, lambda ids: array("q", ids)])
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -166,16 +170,16 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ---- rules
 
-    @rule(ids=tokens, priority=st.integers(0, 2))
-    def match(self, ids, priority):
+    @rule(ids=tokens, priority=st.integers(0, 2), form=id_forms)
+    def match(self, ids, priority, form):
         expected_len, expected_idx = self.expected_match(ids)
-        result = self.cache.match_prefix(ids, priority=priority)
+        result = self.cache.match_prefix(form(ids), priority=priority)
         assert result.cached_len == expected_len == result.handle.cached_len
         assert result.indices.tolist() == expected_idx
         self.remember(result.handle, ids)
 
-    @rule(ids=tokens, data=st.data(), priority=st.integers(0, 2))
-    def insert(self, ids, data, priority):
+    @rule(ids=tokens, data=st.data(), priority=st.integers(0, 2), form=id_forms)
+    def insert(self, ids, data, priority, form):
         own_len, _ = self.expected_match(ids)
         slots = list(range(self.next_slot, self.next_slot + len(ids)))
         self.next_slot += len(ids)
@@ -183,7 +187,7 @@ class CacheMachine(RuleBasedStateMachine):
         if data.draw(st.booleans()):
             slots[:own_len] = self.expected_match(ids)[1]
         result = self.cache.insert_prefix(
-            ids, torch.tensor(slots, dtype=torch.int64), priority=priority
+            form(ids), torch.tensor(slots, dtype=torch.int64), priority=priority
         )
         n = len(ids) - len(ids) % self.page_size
         assert result.cached_len == own_len
@@ -236,9 +240,9 @@ class CacheMachine(RuleBasedStateMachine):
             elif which == "ids":
                 self.cache.insert_prefix(bad, [0, 1, 2])
             elif which == "indices":
-                self.cache.insert_prefix(good[:2] + [0], bad)
+                self.cache.insert_prefix(TokenIds(good[:2] + [0]), bad)  # checked ids, bad slots
             else:
-                self.cache.insert_prefix(good + [1], list(range(len(good) + 2)))
+                self.cache.insert_prefix(TokenIds(good + [1]), list(range(len(good) + 2)))
         assert snapshot(self.cache) == before
 
     @precondition(lambda self: self.with_evict)

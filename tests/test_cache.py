@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
 from cache_model import CacheMachine, assert_invariants, snapshot
 from hypothesis import settings
 
-from minirt.cache import CacheHandle, CacheStats, RadixCache, as_ids
+from minirt.cache import CacheHandle, CacheStats, RadixCache, TokenIds, as_ids
 from minirt.errors import HandleError, InvalidIdsError, RequestError, StaleHandleError
 from minirt.radix import as_tokens
 
@@ -374,3 +376,57 @@ def test_insert_fresh_numbers_only_the_uncached_whole_pages():
     second, nxt = insert_fresh(cache, [1, 2, 7, 8], nxt)
     assert (second.cached_len, nxt, second.indices.tolist()) == (2, 16, [10, 11, 14, 15])
     cache.check_integrity()
+
+
+def test_token_ids_are_checked_once_and_taken_as_they_are():
+    cache, plain = RadixCache(page_size=2), RadixCache(page_size=2)
+    seq = [7, 8, 9, 10, 11]
+    ids = TokenIds(torch.tensor(seq))
+    assert len(ids) == 5 and ids.tolist() == seq and ids == TokenIds(seq)
+    assert ids.tokens.readonly and ids.tokens.format == "q"
+    with pytest.raises(AttributeError):
+        ids.tokens = memoryview(array("q", [-1]))  # a checked value cannot be swapped
+    for c, given in ((cache, ids), (plain, seq)):
+        r = c.insert_prefix(given, [0, 1, 2, 3, 4])
+        assert (r.cached_len, r.indices.tolist()) == (0, [0, 1, 2, 3])
+    assert cache.root.children[(7, 8)].key.obj is ids.tokens.obj  # the tree keeps a view
+    assert cache.snapshot() == plain.snapshot()
+    m = cache.match_prefix(ids)
+    assert (m.cached_len, m.indices.tolist()) == (4, [0, 1, 2, 3])
+    assert cache.peek_prefix_len(ids[:3]) == 2 and isinstance(ids[:3], TokenIds)
+    assert ids[1:3].tokens.obj is ids.tokens.obj  # a slice copies nothing
+    with pytest.raises(TypeError):
+        ids[::2]
+    assert as_ids(ids).tolist() == seq and TokenIds(ids) == ids
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [[1, -2, 3], [[1, 2]], [1.5], torch.tensor([True]),
+                                 array("q", [4, -1]), torch.tensor([[1, 2]]), "abc"])
+def test_token_ids_reject_what_the_cache_rejects(bad):
+    with pytest.raises(InvalidIdsError) as err:
+        TokenIds(bad)
+    assert isinstance(err.value, ValueError) and str(err.value)
+
+
+def test_bad_slots_beside_checked_ids_leave_the_cache_unchanged():
+    cache = RadixCache()
+    cache.insert_prefix([1, 2, 3, 4], [10, 11, 12, 13])
+    before = snapshot(cache)
+    ids = TokenIds([1, 2, 5, 6])
+    for bad in ([0, 1, -2, 3], [0, 1, 2], torch.tensor([0.0, 1.0, 2.0, 3.0]),
+                array("q", [0, 1, 2, -3])):
+        with pytest.raises(InvalidIdsError):
+            cache.insert_prefix(ids, bad)
+        assert snapshot(cache) == before
+    message = r"indices must be non-negative, got -3 at position 3"
+    with pytest.raises(InvalidIdsError, match=message):
+        cache.insert_prefix(ids, array("q", [0, 1, 2, -3]))
+
+
+def test_int64_arrays_are_taken_without_a_tensor():
+    cache = RadixCache()
+    r = cache.insert_prefix(array("q", [5, 6, 7]), array("q", [0, 1, 2]))
+    assert r.indices.tolist() == [0, 1, 2]
+    assert cache.match_prefix(array("q", [5, 6, 9])).cached_len == 2
+    assert cache.match_prefix(array("i", [5, 6, 7])).cached_len == 3  # other int arrays convert
