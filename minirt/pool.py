@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import InvalidIdsError, OutOfMemoryError, PoolError
+from .model import grouped_decode, is_llama, llama_forward
 
 __all__ = ["KVPool", "PageTable", "PagedBatch", "PoolCache", "forward_paged", "as_index_tensor"]
 
@@ -384,8 +385,8 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     ``len(new_ids[r])`` new tokens (the last entries), whose K/V this pass writes.
     Returns, per request, the logits of its last token (``[vocab]``) or, with
     ``last_only=False``, of every new token (``[n_new, vocab]``). ``working``: for a
-    decode step (one new token each), attention reads these requests' K/V from this
-    ``WorkingKV`` instead of gathering it from the pool.
+    decode step (one new token each) of a Llama, attention reads these requests' K/V from
+    this ``WorkingKV`` instead of gathering it from the pool (other models gather).
     """
     if len(tables) != len(new_ids) or not tables:
         raise PoolError(f"forward_paged needs one page table per request, got {len(tables)} "
@@ -395,7 +396,8 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
         if x.numel() == 0 or len(t) < x.numel():
             raise PoolError(f"request {r}: {x.numel()} new tokens but a page table of {len(t)} "
                             "positions (allocate slots for the new tokens first)")
-    if working is not None and last_only and all(x.numel() == 1 for x in ids):
+    if (working is not None and last_only and all(x.numel() == 1 for x in ids)
+            and is_llama(model)):
         return working.forward(model, tables, torch.cat(ids))
     batch = PagedBatch.build(tables, [x.numel() for x in ids])
     device = pool.device
@@ -514,67 +516,36 @@ class WorkingKV:
     def forward(self, model, tables: Sequence[PageTable], tokens: torch.Tensor
                 ) -> list[torch.Tensor]:
         """One decode step: ``tokens[i]`` is the new token of ``tables[i]`` (its last
-        position). Returns each request's next-token logits, in ``tables`` order."""
+        position). Returns each request's next-token logits, in ``tables`` order.
+
+        The model runs as ``llama_forward``: in each layer, ``attend`` writes the new K/V to
+        the pool and onto the end of each row, then attends over the rows where they lie.
+        """
         order = self.sync(tables)
-        n = len(order)
+        n, device = len(order), self.pool.device
         lengths = self.lengths
         kv_len = int(lengths.max()) + 1
-        device = self.pool.device
-        layer = _WorkingBatch(torch.stack([tables[i].slots[-1] for i in order]).to(device),
-                              lengths.to(device), kv_len)
-        mask = torch.arange(kv_len)[None, :] <= lengths[:, None]
-        kwargs = {
-            "input_ids": tokens[order].view(n, 1).to(device),
-            "position_ids": lengths.view(n, 1).to(device),
-            "attention_mask": None if bool(mask.all()) else mask.to(device, torch.int64),
-            "use_cache": True,
-            _cache_kwarg(model): _WorkingCache(self, layer),
-            "logits_to_keep": 1,
-        }
-        logits = model(**kwargs).logits[:, -1]
+        new_slots = torch.stack([tables[i].slots[-1] for i in order]).to(device)
+        if bool((lengths == kv_len - 1).all()):  # rows of one length: one column, no mask
+            rows, column, mask = slice(0, n), kv_len - 1, None
+        else:
+            rows, column = torch.arange(n, device=device), lengths.to(device)
+            mask = (torch.arange(kv_len) <= lengths[:, None]).view(n, 1, 1, kv_len).to(device)
+
+        def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
+            k_new, v_new = k[:, :, 0], v[:, :, 0]  # [n, kv_heads, head_dim]
+            self.pool.write(layer, new_slots, k_new, v_new)
+            keys, values = self.k[layer], self.v[layer]
+            keys[rows, :, column] = k_new
+            values[rows, :, column] = v_new
+            out = grouped_decode(q, keys[:n, :, :kv_len], values[:n, :, :kv_len], mask, scale)
+            return out.reshape(n, 1, -1)
+
+        logits = llama_forward(model, tokens[order].view(n, 1).to(device),
+                               lengths.view(n, 1).to(device), attend)
         for r, i in enumerate(order):
             self.slots[r] = tables[i].slots
         out: list[torch.Tensor] = [logits[0]] * n
         for r, i in enumerate(order):
             out[i] = logits[r]
         return out
-
-
-@dataclass
-class _WorkingBatch:
-    new_slots: torch.Tensor  # [n] pool slot of each row's new token
-    lengths: torch.Tensor    # [n] positions each row held before this step
-    kv_len: int              # key positions attention sees (the longest row + 1)
-
-
-class _WorkingLayer(PoolLayer):
-    """One layer of a decode step on ``WorkingKV``: the new K/V go to the pool slot and
-    onto the end of the row; attention gets the rows as they lie (no gather)."""
-
-    def __init__(self, working: WorkingKV, layer_idx: int, batch: _WorkingBatch) -> None:
-        CacheLayerMixin.__init__(self)
-        self.working, self.pool, self.layer_idx, self.batch = (working, working.pool,
-                                                               layer_idx, batch)
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        b, w, n = self.batch, self.working, len(self.batch.lengths)
-        k_new, v_new = key_states[:, :, 0], value_states[:, :, 0]  # [n, kv_heads, head_dim]
-        self.pool.write(self.layer_idx, b.new_slots, k_new, v_new)
-        rows = torch.arange(n, device=k_new.device)
-        k, v = w.k[self.layer_idx], w.v[self.layer_idx]
-        k[rows, :, b.lengths] = k_new
-        v[rows, :, b.lengths] = v_new
-        return k[:n, :, :b.kv_len], v[:n, :, :b.kv_len]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.batch.kv_len, 0
-
-    def get_seq_length(self) -> int:
-        return self.batch.kv_len - 1
-
-
-class _WorkingCache(Cache):
-    def __init__(self, working: WorkingKV, batch: _WorkingBatch) -> None:
-        super().__init__(layers=[_WorkingLayer(working, i, batch)
-                                 for i in range(working.pool.num_layers)])
