@@ -41,6 +41,7 @@ __all__ = [
     "grouped_decode",
     "is_llama",
     "llama_forward",
+    "shared_prefix_decode",
     "load_model",
     "tiny_model",
 ]
@@ -261,6 +262,46 @@ def grouped_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask,
                                                            scale=scale)
     return out.view(b, heads, 1, d).transpose(1, 2)
+
+
+def shared_prefix_decode(query: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                         key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float) -> torch.Tensor:
+    """``grouped_decode`` when every sequence's keys are one shared prefix, then its own:
+    ``[b, 1, heads, head_dim]``.
+
+    ``prefix_k``, ``prefix_v`` ``[kv_heads, P, head_dim]`` are the first ``P`` positions of
+    every sequence; ``key``, ``value`` ``[b, kv_heads, n, head_dim]`` the positions after
+    them (``mask`` ``[b, 1, 1, n]``: which are real; None: all). The prefix is read once
+    for the whole batch, all ``b * group`` query rows of a K/V head in one matrix product,
+    instead of once per sequence; the two halves' softmaxes are merged through their
+    maxima and sums (FlashInfer's cascade attention, the Hydragen paper's decomposition).
+    """
+    b, heads, _, d = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    q = query.view(b, kv_heads, group, d)
+    out, top, total = _partial_attention(q, key, value, mask, scale)
+    if prefix_k.shape[1]:
+        shared = _partial_attention(q.transpose(0, 1).reshape(kv_heads, b * group, d),
+                                    prefix_k, prefix_v, None, scale)
+        p_out, p_top, p_total = (t.view(kv_heads, b, group, -1).transpose(0, 1) for t in shared)
+        new_top = torch.maximum(top, p_top)
+        own, other = torch.exp(top - new_top), torch.exp(p_top - new_top)
+        out, total = out * own + p_out * other, total * own + p_total * other
+    return (out / total).to(query.dtype).view(b, heads, 1, d).transpose(1, 2)
+
+
+def _partial_attention(q, k, v, mask, scale):
+    """Softmax attention of ``q`` over ``k``, ``v`` left unnormalised, in fp32: (the weighted
+    sum of values, the largest score, the sum of the exponentials), per query row."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - top)
+    return (torch.matmul(weights.to(v.dtype), v).float(), top,
+            weights.sum(-1, keepdim=True))
 
 
 def fuse_projections(model, prepack: bool = True) -> int:
