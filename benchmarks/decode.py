@@ -13,11 +13,12 @@
 2. The profiler's split of one decode step at ``--profile-at`` (batch, context):
    the linear layers (GEMMs), attention, K/V traffic between the pool and attention
    (gathers, writes, appends), every other op, and the time outside any op (Python).
-3. The same step built up one change at a time, the five engines stepped in turn:
+3. The same step built up one change at a time, the six engines stepped in turn:
    gathering every request's K/V from the pool in every layer with transformers' sdpa
    and seven GEMMs per layer (minirt before), then attention with one query row per
-   K/V head, fused q/k/v and gate/up projections, prepacked (oneDNN) weights, and the
-   working K/V (minirt now).
+   K/V head, fused q/k/v and gate/up projections, prepacked (oneDNN) weights, the
+   working K/V rows run by ``llama_forward`` (no transformers cache, mask or dispatch),
+   and the shared prefix held and read once for the batch (minirt now).
 
 Timings on a shared machine are noisy: run it on a quiet one; the load average is printed.
 """
@@ -33,6 +34,7 @@ import torch
 
 from minirt.engine import Engine, Request
 from minirt.model import ATTENTION, load_model
+from minirt.pool import WorkingKV
 
 OWN = 16  # tokens of each prompt that differ between requests
 
@@ -43,7 +45,8 @@ GROUPS = {
                   "aten::_scaled_dot_product_attention_math",
                   "aten::_scaled_dot_product_efficient_attention",
                   "aten::_scaled_dot_product_flash_attention",
-                  "aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax"),
+                  "aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax",
+                  "aten::exp", "aten::amax", "aten::maximum", "aten::masked_fill"),
     "K/V traffic (gather, write, append)": ("aten::index_select", "aten::index",
                                             "aten::index_copy_", "aten::index_put_",
                                             "aten::cat", "aten::_index_put_impl_"),
@@ -116,6 +119,13 @@ def profile_split(model, batch: int, context: int, steps: int) -> None:
         f"{e.key} {e.self_cpu_time_total / 1e3 / steps:.1f} ms" for e in top))
 
 
+class NoSharedPrefix(WorkingKV):
+    """``WorkingKV`` holding each request's every position in its row (nothing shared)."""
+
+    def _start_prefix(self, tables) -> None:
+        self.clear()
+
+
 def choices(batch: int, context: int, steps: int) -> None:
     """The decode step built up one change at a time, the engines stepped in turn."""
     from unittest import mock
@@ -125,24 +135,27 @@ def choices(batch: int, context: int, steps: int) -> None:
     plain, fused, packed = (load_model(dtype=torch.float32)[0] for _ in range(3))
     fuse_projections(fused, prepack=False)
     fuse_projections(packed)
-    variants = {  # name: (model, attention, keep the working K/V)
-        "gather each layer, transformers' sdpa, 7 GEMMs": (plain, "sdpa", False),
-        "+ one query row per K/V head": (plain, ATTENTION, False),
-        "+ q/k/v and gate/up fused (4 GEMMs)": (fused, ATTENTION, False),
-        "+ prepacked weights": (packed, ATTENTION, False),
-        "+ working K/V, no gather (minirt)": (packed, ATTENTION, True),
+    variants = {  # name: (model, attention, keep the working K/V, share its prefix)
+        "gather each layer, transformers' sdpa, 7 GEMMs": (plain, "sdpa", False, False),
+        "+ one query row per K/V head": (plain, ATTENTION, False, False),
+        "+ q/k/v and gate/up fused (4 GEMMs)": (fused, ATTENTION, False, False),
+        "+ prepacked weights": (packed, ATTENTION, False, False),
+        "+ working K/V rows, llama_forward": (packed, ATTENTION, True, False),
+        "+ shared prefix read once (minirt)": (packed, ATTENTION, True, True),
     }
     engines = {}
-    for name, (model, attention, keep) in variants.items():
+    for name, (model, attention, keep, share) in variants.items():
         model.set_attn_implementation(attention)
         # Engine() fuses the model it serves; the unfused variants must stay unfused.
         with mock.patch("minirt.engine.fuse_projections", lambda m: 0):
             engines[name] = engine = batch_engine(model, batch, context, steps + 2)
         if not keep:
             engine.lifecycle.working = None
+        elif not share:  # every position in the rows: a prefix of length 0
+            engine.lifecycle.working = NoSharedPrefix(engine.pool)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(steps):
-        for name, (model, attention, _keep) in variants.items():
+        for name, (model, attention, *_) in variants.items():
             model.set_attn_implementation(attention)
             times[name] += step_times(engines[name], 1)
     plain.set_attn_implementation(ATTENTION)

@@ -20,7 +20,9 @@
    its own, 64 greedy tokens each, sent at once; ``--reps`` times, cache emptied in
    between. Per engine (medians): wall time, output tokens/s, time to the last first
    token, decode ms per step ((wall - last first token) / 63), and minirt/vLLM for
-   each. The 16 x 64 output tokens must equal vLLM's: the script exits 1 if not.
+   each. The 16 x 64 output tokens must equal vLLM's: the script exits 1 if not. minirt
+   gets vLLM's token budget per step (4,096 tokens), so both prefill the 15 requests
+   after the first in one step.
    ``--throughput-only`` runs this part alone.
 3. Servers: vLLM's OpenAI server (``--enable-prompt-tokens-details``) and
    ``minirt.serve`` (pages of 128 and of 1), each replayed with ``minirt.replay`` on the
@@ -52,6 +54,7 @@ VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
 MODEL_NAME = "SmolLM2-135M-Instruct"
 PREFIX, SUFFIX, BLOCK = 1000, 64, 128
 BURST, SHARED, OWN, BURST_TOKENS = 16, 500, 50, 64
+VLLM_BATCH_TOKENS = 4096  # vLLM's CPU default max_num_batched_tokens for LLM(...); minirt's: 2,048
 
 
 # ---------------------------------------------------------------- the protocol (both venvs)
@@ -123,7 +126,7 @@ def vllm_worker(spec_path: str, out_path: str, caching: bool) -> None:
 def minirt_offline(model, page_size: int, spec: dict) -> dict:
     from minirt.engine import Engine, Request
 
-    engine = Engine(model, capacity=16384, page_size=page_size)
+    engine = Engine(model, capacity=16384, page_size=page_size, token_budget=VLLM_BATCH_TOKENS)
 
     def run(ids, n):
         r = engine.generate([Request(prompt=ids, max_new_tokens=n, stop_on_eos=False)],

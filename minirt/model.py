@@ -38,6 +38,10 @@ __all__ = [
     "default_device",
     "default_dtype",
     "fetch_default_model", "fuse_projections",
+    "grouped_decode",
+    "is_llama",
+    "llama_forward",
+    "shared_prefix_decode",
     "load_model",
     "tiny_model",
 ]
@@ -245,30 +249,71 @@ def load_model(name: str | None = None, device=None, dtype: torch.dtype | None =
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                scaling: float | None = None, **kwargs):
-    """``ATTENTION``: ``_grouped_decode`` for one query position of grouped heads on CPU,
+    """``ATTENTION``: ``grouped_decode`` for one query position of grouped heads on CPU,
     ``_grouped_sdpa`` for everything else."""
     extras = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
     if (query.device.type == "cpu" and query.shape[2] == 1 and not extras
             and getattr(module, "num_key_value_groups", 1) > 1):
-        return _grouped_decode(query, key, value, attention_mask, scaling)
+        return grouped_decode(query, key, value, attention_mask, scaling), None
     return _grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout,
                          scaling=scaling, **kwargs)
 
 
-def _grouped_decode(query, key, value, attention_mask, scaling):
-    """One query position per sequence: the query heads sharing a K/V head become the rows
-    of one small attention against that head, which is then read once, in place.
+def grouped_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """Attention of one query position per sequence: ``[b, 1, heads, head_dim]``.
 
-    ``query`` [b, heads, 1, d] is viewed as [b, kv_heads, group, d]: head ``h`` uses K/V
-    head ``h // group``, as in transformers' ``repeat_kv``. A single position attends to
-    every key the mask allows, so there is no causal part to lose by stacking the rows.
+    The query heads sharing a K/V head become the rows of one small attention against
+    that head, which is then read once, in place: ``query`` [b, heads, 1, d] is viewed as
+    [b, kv_heads, group, d], head ``h`` using K/V head ``h // group`` as in transformers'
+    ``repeat_kv``. A single position attends to every key ``mask`` allows (None: all), so
+    there is no causal part to lose by stacking the rows.
     """
     b, heads, _, d = query.shape
     q = query.view(b, key.shape[1], heads // key.shape[1], d)
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value,
-                                                           attn_mask=attention_mask,
-                                                           scale=scaling)
-    return out.view(b, heads, 1, d).transpose(1, 2), None
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask,
+                                                           scale=scale)
+    return out.view(b, heads, 1, d).transpose(1, 2)
+
+
+def shared_prefix_decode(query: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                         key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float) -> torch.Tensor:
+    """``grouped_decode`` when every sequence's keys are one shared prefix, then its own:
+    ``[b, 1, heads, head_dim]``.
+
+    ``prefix_k``, ``prefix_v`` ``[kv_heads, P, head_dim]`` are the first ``P`` positions of
+    every sequence; ``key``, ``value`` ``[b, kv_heads, n, head_dim]`` the positions after
+    them (``mask`` ``[b, 1, 1, n]``: which are real; None: all). The prefix is read once
+    for the whole batch, all ``b * group`` query rows of a K/V head in one matrix product,
+    instead of once per sequence; the two halves' softmaxes are merged through their
+    maxima and sums (FlashInfer's cascade attention, the Hydragen paper's decomposition).
+    """
+    b, heads, _, d = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    q = query.view(b, kv_heads, group, d)
+    out, top, total = _partial_attention(q, key, value, mask, scale)
+    if prefix_k.shape[1]:
+        shared = _partial_attention(q.transpose(0, 1).reshape(kv_heads, b * group, d),
+                                    prefix_k, prefix_v, None, scale)
+        p_out, p_top, p_total = (t.view(kv_heads, b, group, -1).transpose(0, 1) for t in shared)
+        new_top = torch.maximum(top, p_top)
+        own, other = torch.exp(top - new_top), torch.exp(p_top - new_top)
+        out, total = out * own + p_out * other, total * own + p_total * other
+    return (out / total).to(query.dtype).view(b, heads, 1, d).transpose(1, 2)
+
+
+def _partial_attention(q, k, v, mask, scale):
+    """Softmax attention of ``q`` over ``k``, ``v`` left unnormalised, in fp32: (the weighted
+    sum of values, the largest score, the sum of the exponentials), per query row."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - top)
+    return (torch.matmul(weights.to(v.dtype), v).float(), top,
+            weights.sum(-1, keepdim=True))
 
 
 def fuse_projections(model, prepack: bool = True) -> int:
@@ -292,9 +337,9 @@ def fuse_projections(model, prepack: bool = True) -> int:
         if getattr(module, "_minirt_fused", False):
             continue
         if type(module) is LlamaAttention:
-            names, forward, out = ("q_proj", "k_proj", "v_proj"), _fused_attention_forward, "o_proj"
+            names, forward, out = _QKV, _fused_attention_forward, "o_proj"
         elif type(module) is LlamaMLP:
-            names, forward, out = ("gate_proj", "up_proj"), _fused_mlp_forward, "down_proj"
+            names, forward, out = _GATE_UP, _fused_mlp_forward, "down_proj"
         else:
             continue
         if not _concat_weights(module, names):
@@ -363,6 +408,14 @@ def _concat_weights(module, names: tuple[str, ...]) -> bool:
     return True
 
 
+def _projections(module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """The named Linears of ``module`` applied to ``x``: one GEMM, split, if it is fused."""
+    if getattr(module, "_minirt_fused", False):
+        return _linear(x, module.fused_weight, module.fused_bias, module.fused_packed).split(
+            module.fused_sizes, -1)
+    return [getattr(module, n)(x) for n in names]
+
+
 def _fused_attention_forward(self, hidden_states, position_embeddings=None,
                              attention_mask=None, cache=None, **kwargs):
     """transformers' ``LlamaAttention.forward`` with q, k and v from one GEMM."""
@@ -374,8 +427,8 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None,
 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    qkv = _linear(hidden_states, self.fused_weight, self.fused_bias, self.fused_packed)
-    q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in qkv.split(self.fused_sizes, -1))
+    q, k, v = (t.view(hidden_shape).transpose(1, 2)
+               for t in _projections(self, _QKV, hidden_states))
     cos, sin = position_embeddings
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     if cache is not None:
@@ -390,9 +443,54 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None,
 
 def _fused_mlp_forward(self, x):
     """transformers' ``LlamaMLP.forward`` with gate and up from one GEMM."""
-    gate, up = _linear(x, self.fused_weight, self.fused_bias, self.fused_packed).split(
-        self.fused_sizes, -1)
+    gate, up = _projections(self, _GATE_UP, x)
     return self.down_proj(self.act_fn(gate) * up)
+
+
+_QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
+# ---------------------------------------------------------------------------
+# A Llama forward without transformers' cache object, mask or per-layer dispatch.
+
+
+def is_llama(model) -> bool:
+    """True if ``model`` is transformers' Llama, layer for layer (what ``llama_forward`` runs)."""
+    from transformers.models.llama import modeling_llama as m
+
+    return type(model) is m.LlamaForCausalLM and all(
+        type(layer) is m.LlamaDecoderLayer and type(layer.self_attn) is m.LlamaAttention
+        and type(layer.mlp) is m.LlamaMLP for layer in model.model.layers)
+
+
+def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  attend) -> torch.Tensor:
+    """A Llama's next-token logits at the last column of ``input_ids`` ``[b, t]``:
+    ``[b, vocab]``.
+
+    The layers run in transformers' order with the model's own modules and maths (RMSNorm,
+    RoPE, the fused projections where ``fuse_projections`` made them, SiLU), but attention
+    is ``attend(layer, q, k, v, scale)``: it gets the new positions' ``q`` ``[b, heads, t,
+    head_dim]`` and ``k``, ``v`` ``[b, kv_heads, t, head_dim]`` after RoPE, stores the K/V
+    where it keeps them, and returns the attention output ``[b, t, heads * head_dim]``.
+    No cache object, no mask built for the caller: the caller knows its batch's shape.
+    The output head runs on the last column only.
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    inner = model.model
+    h = inner.embed_tokens(input_ids)
+    cos, sin = inner.rotary_emb(h, position_ids)
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        x = layer.input_layernorm(h)
+        q, k, v = (t.view(*x.shape[:-1], -1, attn.head_dim).transpose(1, 2)
+                   for t in _projections(attn, _QKV, x))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        h = h + attn.o_proj(attend(i, q, k, v, attn.scaling))
+        gate, up = _projections(mlp, _GATE_UP, layer.post_attention_layernorm(h))
+        h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+    return model.lm_head(inner.norm(h[:, -1]))
 
 
 def tiny_model(seed: int = 0, vocab_size: int = 128, num_layers: int = 2):

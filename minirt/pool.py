@@ -23,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import InvalidIdsError, OutOfMemoryError, PoolError
+from .model import is_llama, llama_forward, shared_prefix_decode
 
 __all__ = ["KVPool", "PageTable", "PagedBatch", "PoolCache", "forward_paged", "as_index_tensor"]
 
@@ -377,8 +378,8 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     ``len(new_ids[r])`` new tokens (the last entries), whose K/V this pass writes.
     Returns, per request, the logits of its last token (``[vocab]``) or, with
     ``last_only=False``, of every new token (``[n_new, vocab]``). ``working``: for a
-    decode step (one new token each), attention reads these requests' K/V from this
-    ``WorkingKV`` instead of gathering it from the pool.
+    decode step (one new token each) of a Llama, attention reads these requests' K/V from
+    this ``WorkingKV`` instead of gathering it from the pool (other models gather).
     """
     if len(tables) != len(new_ids) or not tables:
         raise PoolError(f"forward_paged needs one page table per request, got {len(tables)} "
@@ -388,7 +389,8 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
         if x.numel() == 0 or len(t) < x.numel():
             raise PoolError(f"request {r}: {x.numel()} new tokens but a page table of {len(t)} "
                             "positions (allocate slots for the new tokens first)")
-    if working is not None and last_only and all(x.numel() == 1 for x in ids):
+    if (working is not None and last_only and all(x.numel() == 1 for x in ids)
+            and is_llama(model)):
         return working.forward(model, tables, torch.cat(ids))
     batch = PagedBatch.build(tables, [x.numel() for x in ids])
     device = pool.device
@@ -415,63 +417,80 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
 
 
 class WorkingKV:
-    """Running requests' K/V, one contiguous row each, grown by one position per decode step.
+    """Running requests' K/V between decode steps: the prefix they all share once, then one
+    contiguous row each for the rest, grown by one position per step.
 
     ``PoolLayer`` gathers every position of every request from the pool in every layer of
-    every step. Here a request's row is filled from the pool once, when it joins the
-    decode batch; each step then writes the new token's K/V to its pool slot (the pool
-    stays the source of truth) *and* appends it to the row, and attention reads the rows
-    where they lie: ``[rows, kv_heads, positions, head_dim]`` per layer. The price is a
-    second copy of the running requests' K/V (a shared prefix is once in the pool but
-    once per row here). Rows are keyed by the ``PageTable`` object; a row whose slots no
-    longer match its table is refilled from the pool.
+    every step. Here a request's K/V is filled from the pool once, when it joins the decode
+    batch: the leading positions whose slots every running request shares (a prefix cached
+    in the tree) into ``prefix_k``/``prefix_v`` ``[layers, kv_heads, shared, head_dim]``,
+    the rest into its row of ``k``/``v`` ``[layers, rows, kv_heads, positions, head_dim]``.
+    Each step writes the new token's K/V to its pool slot (the pool stays the source of
+    truth) *and* appends it to the row; attention reads the prefix once for the whole batch
+    and each row where it lies (``shared_prefix_decode``). Rows are keyed by the
+    ``PageTable`` object; a row whose slots no longer match its table is refilled from the
+    pool, and a request that does not share the whole stored prefix starts it over.
     """
 
     def __init__(self, pool: KVPool, grow: int = 256) -> None:
         self.pool, self.grow = pool, grow
-        self.tables: list[PageTable] = []   # the request each row belongs to
-        self.slots: list[torch.Tensor] = []  # the slots each row holds, in position order
         self.clear()
 
     def clear(self) -> None:
-        """Drop every row and give the memory back."""
+        """Drop the prefix and every row and give the memory back."""
         p = self.pool
-        self.tables, self.slots = [], []
+        self.tables: list[PageTable] = []   # the request each row belongs to
+        self.slots: list[torch.Tensor] = []  # the slots each request holds here, in order
+        self.prefix_slots = torch.zeros(0, dtype=torch.int64)
+        self.prefix_k = torch.zeros(p.num_layers, p.kv_heads, 0, p.head_dim, dtype=p.dtype,
+                                    device=p.device)
+        self.prefix_v = torch.zeros_like(self.prefix_k)
         self.k = torch.zeros(p.num_layers, 0, p.kv_heads, 0, p.head_dim, dtype=p.dtype,
                              device=p.device)
         self.v = torch.zeros_like(self.k)
 
     @property
+    def shared(self) -> int:
+        """Positions held once, in the prefix, for every row."""
+        return int(self.prefix_slots.numel())
+
+    @property
     def lengths(self) -> torch.Tensor:
-        """Positions each row holds."""
+        """Positions each row's request holds here (the shared prefix included)."""
         return torch.tensor([s.numel() for s in self.slots], dtype=torch.int64)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the rows occupy (allocated, including room to grow)."""
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes the prefix and the rows occupy (allocated, including room to grow)."""
+        return 2 * (self.k.numel() + self.prefix_k.numel()) * self.k.element_size()
 
     def check(self, tables: Sequence[PageTable]) -> None:
-        """PoolError unless every row serving one of ``tables`` (and still matching its
-        slots) holds exactly the pool's K/V at those slots."""
+        """PoolError unless the prefix and every row serving one of ``tables`` (and still
+        matching its slots) hold exactly the pool's K/V at those slots."""
         live = {id(t) for t in tables}
-        for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True)):
-            if id(t) not in live or not torch.equal(t.slots[:s.numel()], s):
-                continue  # refilled from the pool before it is read again
-            idx = s.to(self.pool.device)
-            for name in ("k", "v"):
-                row = getattr(self, name)[:, r, :, :s.numel()]
-                if not torch.equal(row, getattr(self.pool, name)[:, idx].transpose(1, 2)):
-                    raise PoolError(f"working {name} row {r} differs from the pool at its "
+        parts = [(f"row {r}", self.k[:, r], self.v[:, r], s[self.shared:])
+                 for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True))
+                 if id(t) in live and torch.equal(t.slots[:s.numel()], s)]
+        if parts:  # else the next step starts over: nothing here is read again
+            parts.append(("prefix", self.prefix_k, self.prefix_v, self.prefix_slots))
+        for what, k, v, slots in parts:  # rows not checked are refilled before use
+            idx = slots.to(self.pool.device)
+            for name, held in (("k", k), ("v", v)):
+                pool = getattr(self.pool, name)[:, idx].transpose(1, 2)
+                if not torch.equal(held[:, :, :slots.numel()], pool):
+                    raise PoolError(f"working {name} {what} differs from the pool at its "
                                     "slots: the pool is the source of truth")
 
     def sync(self, tables: Sequence[PageTable]) -> list[int]:
-        """Rows for exactly ``tables`` (each holding all positions but its last, the new
-        token's); returns, per row, the index in ``tables`` it serves."""
+        """The prefix and rows for exactly ``tables`` (each holding all positions but its
+        last, the new token's); returns, per row, the index in ``tables`` it serves."""
         index = {id(t): i for i, t in enumerate(tables)}
         keep = [r for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True))
                 if id(t) in index and torch.equal(t.slots[:s.numel()], s)
                 and s.numel() == len(t) - 1]
+        if not keep or _shared_length(tables, self.shared) < self.shared:
+            self._start_prefix(tables)  # no row to keep, or the prefix is not everyone's
+            keep = []
         if keep != list(range(len(self.tables))):  # compact: kept rows first, in order
             rows = torch.tensor(keep, dtype=torch.int64, device=self.k.device)
             self.k[:, :len(keep)] = self.k[:, rows]
@@ -480,15 +499,24 @@ class WorkingKV:
             self.slots = [self.slots[r] for r in keep]
         have = {id(t) for t in self.tables}
         new = [t for t in tables if id(t) not in have]
-        self._reserve(len(self.tables) + len(new), max(len(t) for t in tables))
-        for t in new:  # the one gather per request: every position it has so far
-            r, old = len(self.tables), t.slots[:-1]
+        self._reserve(len(self.tables) + len(new), max(len(t) for t in tables) - self.shared)
+        for t in new:  # the one gather per request: every position it has past the prefix
+            r, old = len(self.tables), t.slots[self.shared:-1]
             idx = old.to(self.pool.device)
             self.k[:, r, :, :old.numel()] = self.pool.k[:, idx].transpose(1, 2)
             self.v[:, r, :, :old.numel()] = self.pool.v[:, idx].transpose(1, 2)
             self.tables.append(t)
-            self.slots.append(old)
+            self.slots.append(t.slots[:-1])
         return [index[id(t)] for t in self.tables]
+
+    def _start_prefix(self, tables: Sequence[PageTable]) -> None:
+        """Drop every row; hold the positions every one of ``tables`` shares as the prefix."""
+        slots = tables[0].slots[:_shared_length(tables)]
+        self.clear()
+        idx = slots.to(self.pool.device)
+        self.prefix_slots = slots
+        self.prefix_k = self.pool.k[:, idx].transpose(1, 2).contiguous()
+        self.prefix_v = self.pool.v[:, idx].transpose(1, 2).contiguous()
 
     def _reserve(self, rows: int, positions: int) -> None:
         """Room for ``rows`` rows of ``positions`` positions (regrown in steps of ``grow``)."""
@@ -497,7 +525,7 @@ class WorkingKV:
             return
         rows, positions = max(rows, have_rows), max(positions, have_pos)
         positions = -(-positions // self.grow) * self.grow
-        used = max((s.numel() for s in self.slots), default=0)
+        used = max((s.numel() - self.shared for s in self.slots), default=0)
         for name in ("k", "v"):
             old = getattr(self, name)
             grown = old.new_zeros(old.shape[0], rows, old.shape[2], positions, old.shape[4])
@@ -507,24 +535,35 @@ class WorkingKV:
     def forward(self, model, tables: Sequence[PageTable], tokens: torch.Tensor
                 ) -> list[torch.Tensor]:
         """One decode step: ``tokens[i]`` is the new token of ``tables[i]`` (its last
-        position). Returns each request's next-token logits, in ``tables`` order."""
+        position). Returns each request's next-token logits, in ``tables`` order.
+
+        The model runs as ``llama_forward``: in each layer, ``attend`` writes the new K/V to
+        the pool and onto the end of each row, then attends over the prefix and the rows.
+        """
         order = self.sync(tables)
-        n = len(order)
+        n, device = len(order), self.pool.device
         lengths = self.lengths
-        kv_len = int(lengths.max()) + 1
-        device = self.pool.device
-        layer = _WorkingBatch(torch.stack([tables[i].slots[-1] for i in order]).to(device),
-                              lengths.to(device), kv_len)
-        mask = torch.arange(kv_len)[None, :] <= lengths[:, None]
-        kwargs = {
-            "input_ids": tokens[order].view(n, 1).to(device),
-            "position_ids": lengths.view(n, 1).to(device),
-            "attention_mask": None if bool(mask.all()) else mask.to(device, torch.int64),
-            "use_cache": True,
-            "cache": _WorkingCache(self, layer),
-            "logits_to_keep": 1,
-        }
-        logits = model(**kwargs).logits[:, -1]
+        own = lengths - self.shared  # row positions in use before this step
+        width = int(own.max()) + 1
+        new_slots = torch.stack([tables[i].slots[-1] for i in order]).to(device)
+        if bool((own == width - 1).all()):  # rows of one length: one column, no mask
+            rows, column, mask = slice(0, n), width - 1, None
+        else:
+            rows, column = torch.arange(n, device=device), own.to(device)
+            mask = (torch.arange(width) <= own[:, None]).view(n, 1, 1, width).to(device)
+
+        def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
+            k_new, v_new = k[:, :, 0], v[:, :, 0]  # [n, kv_heads, head_dim]
+            self.pool.write(layer, new_slots, k_new, v_new)
+            keys, values = self.k[layer], self.v[layer]
+            keys[rows, :, column] = k_new
+            values[rows, :, column] = v_new
+            out = shared_prefix_decode(q, self.prefix_k[layer], self.prefix_v[layer],
+                                       keys[:n, :, :width], values[:n, :, :width], mask, scale)
+            return out.reshape(n, 1, -1)
+
+        logits = llama_forward(model, tokens[order].view(n, 1).to(device),
+                               lengths.view(n, 1).to(device), attend)
         for r, i in enumerate(order):
             self.slots[r] = tables[i].slots
         out: list[torch.Tensor] = [logits[0]] * n
@@ -533,41 +572,14 @@ class WorkingKV:
         return out
 
 
-@dataclass
-class _WorkingBatch:
-    new_slots: torch.Tensor  # [n] pool slot of each row's new token
-    lengths: torch.Tensor    # [n] positions each row held before this step
-    kv_len: int              # key positions attention sees (the longest row + 1)
-
-
-class _WorkingLayer(PoolLayer):
-    """One layer of a decode step on ``WorkingKV``: the new K/V go to the pool slot and
-    onto the end of the row; attention gets the rows as they lie (no gather)."""
-
-    def __init__(self, working: WorkingKV, layer_idx: int, batch: _WorkingBatch) -> None:
-        CacheLayerMixin.__init__(self)
-        self.working, self.pool, self.layer_idx, self.batch = (working, working.pool,
-                                                               layer_idx, batch)
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        b, w, n = self.batch, self.working, len(self.batch.lengths)
-        k_new, v_new = key_states[:, :, 0], value_states[:, :, 0]  # [n, kv_heads, head_dim]
-        self.pool.write(self.layer_idx, b.new_slots, k_new, v_new)
-        rows = torch.arange(n, device=k_new.device)
-        k, v = w.k[self.layer_idx], w.v[self.layer_idx]
-        k[rows, :, b.lengths] = k_new
-        v[rows, :, b.lengths] = v_new
-        return k[:n, :, :b.kv_len], v[:n, :, :b.kv_len]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.batch.kv_len, 0
-
-    def get_seq_length(self) -> int:
-        return self.batch.kv_len - 1
-
-
-class _WorkingCache(Cache):
-    def __init__(self, working: WorkingKV, batch: _WorkingBatch) -> None:
-        super().__init__(layers=[_WorkingLayer(working, i, batch)
-                                 for i in range(working.pool.num_layers)])
+def _shared_length(tables: Sequence[PageTable], limit: int | None = None) -> int:
+    """How many leading slots all ``tables`` have in common, not counting each one's last
+    position (its new token), up to ``limit``."""
+    n = min(len(t) for t in tables) - 1
+    if limit is not None:
+        n = min(n, limit)
+    first = tables[0].slots[:n]
+    same = torch.ones(n, dtype=torch.bool)
+    for t in tables[1:]:
+        same &= t.slots[:n] == first
+    return n if bool(same.all()) else int((~same).nonzero()[0])

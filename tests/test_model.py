@@ -21,6 +21,8 @@ from minirt.model import (
     default_dtype,
     fetch_default_model,
     fuse_projections,
+    is_llama,
+    llama_forward,
     load_model,
     tiny_model,
 )
@@ -105,6 +107,41 @@ def test_fused_projections_change_no_weight_and_no_logit(which):
             torch.testing.assert_close(fused(x).logits, plain(x).logits, rtol=1e-4, atol=1e-4)
         one = extend(fused, prefill(fused, ids[0, :23])[1], ids[0, 23:])[0]
         torch.testing.assert_close(one, plain(ids[:1]).logits[0, 23:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["tiny_model", "default model"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_llama_forward_gives_the_models_logits(which, fused):
+    """The layer-by-layer forward with attention handed to the caller: transformers'
+    logits at the last position within fp32 rounding, fused or not, for a batch of rows."""
+    model = tiny_model(6) if which == "tiny_model" else load_model(device="cpu")[0]
+    if fused:
+        fuse_projections(model)
+    assert is_llama(model)
+    ids = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(2))
+    seen = []
+
+    def attend(layer, q, k, v, scale):  # plain causal attention over the new positions
+        seen.append(layer)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).flatten(2)
+
+    positions = torch.arange(20).expand(3, 20)
+    with torch.inference_mode():
+        got = llama_forward(model, ids, positions, attend)
+        want = model(ids).logits[:, -1]
+    assert seen == list(range(model.config.num_hidden_layers))
+    assert got.shape == want.shape == (3, model.config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_is_llama_only_for_llama_layers():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert is_llama(tiny_model(0))
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert not is_llama(gpt2)
 
 
 def test_device_and_dtype_choice(monkeypatch):

@@ -234,3 +234,39 @@ def test_working_kv_check_catches_a_row_that_drifted(model):
     pool.v[1, int(table.slots[2])] += 1.0
     with pytest.raises(PoolError, match="source of truth"):
         working.check([table])
+
+
+def test_working_kv_holds_the_shared_prefix_once(model):
+    """Requests whose tables share a prefix's slots (as after a tree hit) decode through one
+    copy of it: logits equal the plain model's; a request sharing less starts it over."""
+    from minirt.pool import WorkingKV
+
+    torch.manual_seed(5)
+    pool = KVPool.for_model(model, 256)
+    working = WorkingKV(pool)
+    prefix = torch.randint(0, 128, (7,))
+    prefix_slots = pool.alloc(7)
+    forward_paged(model, pool, [PageTable(prefix_slots)], [prefix])
+    seqs, tables, last = [], [], []
+    for shared, own in ((7, 2), (7, 4), (7, 3), (3, 5)):  # the last shares 3 positions only
+        seq = torch.cat([prefix[:shared], torch.randint(0, 128, (own,))])
+        table = PageTable(prefix_slots[:shared])
+        table.append(pool.alloc(own))
+        last.append(forward_paged(model, pool, [table], [seq[shared:]])[0].argmax().reshape(1))
+        seqs.append(seq)
+        tables.append(table)
+    for rows, shared in (([0, 1], 7), ([0, 1, 2], 7), ([2, 0], 7), ([2, 3, 0], 3), ([3], 3)):
+        for r in rows:
+            tables[r].append(pool.alloc(1))
+        got = forward_paged(model, pool, [tables[r] for r in rows], [last[r] for r in rows],
+                            working=working)
+        assert working.shared == shared and working.prefix_k.shape[2] == shared
+        working.check([tables[r] for r in rows])
+        for r, lg in zip(rows, got, strict=True):
+            seqs[r] = torch.cat([seqs[r], last[r]])
+            torch.testing.assert_close(lg, model(seqs[r][None]).logits[0, -1],
+                                       atol=1e-5, rtol=1e-5)
+            last[r] = lg.argmax().reshape(1)
+    pool.k[0, int(prefix_slots[1])] += 1.0
+    with pytest.raises(PoolError, match="prefix differs from the pool"):
+        working.check([tables[3]])
