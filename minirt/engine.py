@@ -44,6 +44,7 @@ from .lifecycle import Lifecycle, node_path
 from .lifecycle import Request as LifecycleRequest
 from .model import fuse_projections
 from .pool import KVPool
+from .radix import common_prefix_len
 from .scheduler import Scheduler, make_scheduler
 from .workloads import support_chats, unique_prefix_count
 
@@ -678,7 +679,7 @@ class Engine:
         mine, page = job.lc.prompt[:-1], self.pool.page_size
         for other in admitted:
             if other.lc.salt == job.lc.salt:
-                shared = _common_len(mine, other.lc.prompt) // page * page
+                shared = common_prefix_len(mine, other.lc.prompt) // page * page
                 if shared > match.cached_len:
                     return True
         return False
@@ -796,13 +797,6 @@ def _make_cache(kind: str, page_size: int, policy: str | EvictionPolicy) -> Pref
 
         return HashCache(block_size=page_size)
     raise ValueError(f"cache must be 'radix' or 'hash', got {kind!r}")
-
-
-def _common_len(a: torch.Tensor, b: torch.Tensor) -> int:
-    """How many leading token ids ``a`` and ``b`` have in common."""
-    n = min(a.numel(), b.numel())
-    differ = torch.nonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.numel() else n
 
 
 def _eos_id(model, tokenizer) -> int | None:

@@ -169,30 +169,6 @@ def _resolve(name: str | None) -> tuple[str, bool]:
     return name, False
 
 
-def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
-                  scaling: float | None = None, **kwargs):
-    """transformers' sdpa attention, except that on CPU grouped K/V heads are read in place.
-
-    With a mask (every prefill after a cached prefix has one) transformers copies each K/V
-    head once per query head that shares it; torch's CPU kernel reads the shared head
-    directly (``enable_gqa``): same values, 4-8 ms less of a ~140 ms cached prefill
-    (``benchmarks/engine.py``). On CUDA a masked GQA call falls back to the slow math
-    kernel, and some models add a bias or a softcap: there transformers' path is kept.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    grouped = getattr(module, "num_key_value_groups", 1) > 1
-    extras = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-    if (query.device.type == "cpu" and grouped and attention_mask is not None
-            and query.shape[2] > 1 and not extras):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                  dropout=dropout, scaling=scaling, **kwargs)
-
-
 def _register_attention() -> None:
     """Make ``ATTENTION`` a name transformers accepts (idempotent): sdpa's mask, our kernel.
 
@@ -249,14 +225,28 @@ def load_model(name: str | None = None, device=None, dtype: torch.dtype | None =
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                scaling: float | None = None, **kwargs):
-    """``ATTENTION``: ``grouped_decode`` for one query position of grouped heads on CPU,
-    ``_grouped_sdpa`` for everything else."""
-    extras = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-    if (query.device.type == "cpu" and query.shape[2] == 1 and not extras
-            and getattr(module, "num_key_value_groups", 1) > 1):
+    """``ATTENTION``: transformers' sdpa attention, except that on CPU grouped K/V heads are
+    read in place instead of copied once per query head that shares them.
+
+    One query position per sequence goes to ``grouped_decode``; a masked prefill (every
+    prefill after a cached prefix has a mask) to torch's CPU kernel with ``enable_gqa``:
+    same values, 4-8 ms less of a ~140 ms cached prefill (``benchmarks/engine.py``). On
+    CUDA a masked GQA call falls back to the slow math kernel, and some models add a bias
+    or a softcap: there transformers' path is kept.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    in_place = (query.device.type == "cpu" and getattr(module, "num_key_value_groups", 1) > 1
+                and kwargs.get("position_bias") is None and kwargs.get("softcap") is None)
+    if in_place and query.shape[2] == 1:
         return grouped_decode(query, key, value, attention_mask, scaling), None
-    return _grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout,
-                         scaling=scaling, **kwargs)
+    if in_place and attention_mask is not None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                  dropout=dropout, scaling=scaling, **kwargs)
 
 
 def grouped_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
