@@ -155,9 +155,12 @@ def choices(batch: int, context: int, steps: int) -> None:
             engine.lifecycle.working = NoSharedPrefix(engine.pool)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(steps):
-        for name, (model, attention, *_) in variants.items():
+        for name, (model, attention, keep, _) in variants.items():
             model.set_attn_implementation(attention)
-            times[name] += step_times(engines[name], 1)
+            # Without the working rows a decode step is transformers' forward over the
+            # pool (chapter 04's PoolCache), as it was before llama_forward.
+            with mock.patch("minirt.pool.is_llama", lambda m, keep=keep: keep):
+                times[name] += step_times(engines[name], 1)
     plain.set_attn_implementation(ATTENTION)
     outputs = {tuple(tuple(j.output_ids) for j in e.running) for e in engines.values()}
     print(f"\n3. The decode step at B={batch}, context {context}, one change at a time "

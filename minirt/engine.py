@@ -40,7 +40,7 @@ import torch
 from .cache import MatchResult, PrefixCache, RadixCache, as_ids, check_salt
 from .errors import InvalidIdsError, RequestError, TierError
 from .eviction import EvictionPolicy
-from .lifecycle import Lifecycle, node_path
+from .lifecycle import Lifecycle, greedy_token, node_path
 from .lifecycle import Request as LifecycleRequest
 from .model import fuse_projections
 from .pool import KVPool
@@ -707,10 +707,10 @@ class Engine:
     @staticmethod
     def _sampler(request: Request) -> Callable[[torch.Tensor], int]:
         """How ``request`` picks each token: argmax, or draws from its own seeded generator."""
-        generator = None
-        if request.temperature > 0:
-            seed = request.seed if request.seed is not None else random.getrandbits(63)
-            generator = torch.Generator().manual_seed(seed)
+        if request.temperature <= 0:
+            return greedy_token  # the lifecycle batches greedy picks into one argmax
+        seed = request.seed if request.seed is not None else random.getrandbits(63)
+        generator = torch.Generator().manual_seed(seed)
         return partial(sample_token, temperature=request.temperature, top_k=request.top_k,
                        generator=generator)
 

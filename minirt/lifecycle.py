@@ -60,6 +60,18 @@ def greedy_token(logits: torch.Tensor) -> int:
     return int(logits.argmax())
 
 
+def _greedy_picks(reqs: Sequence[Request], logits: Sequence[torch.Tensor]) -> list[int | None]:
+    """``greedy_token`` of every greedy request's logits in one argmax over the stacked
+    rows (None for the others, who sample their own way)."""
+    rows = [i for i, r in enumerate(reqs) if r.next_token is greedy_token]
+    picks: list[int | None] = [None] * len(reqs)
+    if rows:
+        tokens = torch.stack([logits[i] for i in rows]).argmax(-1).tolist()
+        for i, token in zip(rows, tokens, strict=True):
+            picks[i] = token
+    return picks
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request and everything the runtime tracks for it.
@@ -336,9 +348,9 @@ class Lifecycle:
         logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
                                [torch.tensor([r.output[-1]]) for r in reqs],
                                working=self.working)
-        for r, lg in zip(reqs, logits, strict=True):
+        for r, lg, token in zip(reqs, logits, _greedy_picks(reqs, logits), strict=True):
             r.kv_len += 1
-            r.output.append(r.next_token(lg))
+            r.output.append(r.next_token(lg) if token is None else token)
         return logits
 
     # ------------------------------------------------------------ insert, finish

@@ -38,10 +38,11 @@ __all__ = [
     "default_device",
     "default_dtype",
     "fetch_default_model", "fuse_projections",
+    "attention_lse",
     "grouped_decode",
     "is_llama",
     "llama_forward",
-    "shared_prefix_decode",
+    "shared_prefix_attention",
     "load_model",
     "tiny_model",
 ]
@@ -266,44 +267,70 @@ def grouped_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.view(b, heads, 1, d).transpose(1, 2)
 
 
-def shared_prefix_decode(query: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
-                         key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float) -> torch.Tensor:
-    """``grouped_decode`` when every sequence's keys are one shared prefix, then its own:
-    ``[b, 1, heads, head_dim]``.
+def shared_prefix_attention(query: torch.Tensor, prefix_k: torch.Tensor,
+                            prefix_v: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            mask: torch.Tensor | None, scale: float,
+                            causal: bool = False) -> torch.Tensor:
+    """Attention of ``query`` ``[b, heads, m, head_dim]`` when every sequence's keys are one
+    shared prefix, then its own: ``[b, m, heads, head_dim]``.
 
     ``prefix_k``, ``prefix_v`` ``[kv_heads, P, head_dim]`` are the first ``P`` positions of
-    every sequence; ``key``, ``value`` ``[b, kv_heads, n, head_dim]`` the positions after
-    them (``mask`` ``[b, 1, 1, n]``: which are real; None: all). The prefix is read once
-    for the whole batch, all ``b * group`` query rows of a K/V head in one matrix product,
-    instead of once per sequence; the two halves' softmaxes are merged through their
-    maxima and sums (FlashInfer's cascade attention, the Hydragen paper's decomposition).
+    every sequence, which every query sees; ``key``, ``value`` ``[b, kv_heads, n, head_dim]``
+    the positions after them, seen as ``mask`` (broadcast to ``[b, 1, m, n]``: bool, True
+    where a key counts, or additive) and ``causal`` (``attention_lse``) say. The prefix is
+    read once for the whole batch, all ``b * heads / kv_heads * m`` query rows of a K/V
+    head in one attention, instead of once per sequence. Each half's softmax is normalised
+    on its own; with their log-sum-exps ``a`` (own) and ``p`` (prefix) the whole softmax is
+    ``own + (prefix - own) * sigmoid(p - a)`` (FlashInfer's cascade attention, the Hydragen
+    paper's decomposition). One position per sequence (decode): the query heads sharing a
+    K/V head are the rows of one attention against it, as in ``grouped_decode``.
     """
-    b, heads, _, d = query.shape
+    b, heads, m, d = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    q = query.view(b, kv_heads, group, d)
-    out, top, total = _partial_attention(q, key, value, mask, scale)
+    q = query.reshape(b, kv_heads, group, d) if m == 1 else query
+    out, lse = attention_lse(q, key, value, mask, scale, causal)
     if prefix_k.shape[1]:
-        shared = _partial_attention(q.transpose(0, 1).reshape(kv_heads, b * group, d),
-                                    prefix_k, prefix_v, None, scale)
-        p_out, p_top, p_total = (t.view(kv_heads, b, group, -1).transpose(0, 1) for t in shared)
-        new_top = torch.maximum(top, p_top)
-        own, other = torch.exp(top - new_top), torch.exp(p_top - new_top)
-        out, total = out * own + p_out * other, total * own + p_total * other
-    return (out / total).to(query.dtype).view(b, heads, 1, d).transpose(1, 2)
+        rows = query.reshape(b, kv_heads, group * m, d).transpose(0, 1)
+        p_out, p_lse = attention_lse(rows.reshape(1, kv_heads, b * group * m, d),
+                                     prefix_k[None], prefix_v[None], None, scale)
+        p_out = p_out.reshape(kv_heads, b, group * m, d).transpose(0, 1).reshape(out.shape)
+        p_lse = p_lse.reshape(kv_heads, b, group * m).transpose(0, 1).reshape(lse.shape)
+        out = torch.lerp(out, p_out, torch.sigmoid(p_lse - lse).unsqueeze(-1))
+    return out.to(query.dtype).reshape(b, heads, m, d).transpose(1, 2)
 
 
-def _partial_attention(q, k, v, mask, scale):
-    """Softmax attention of ``q`` over ``k``, ``v`` left unnormalised, in fp32: (the weighted
-    sum of values, the largest score, the sum of the exponentials), per query row."""
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` ``[b, heads, m, d]`` over ``k``, ``v`` ``[b, kv_heads, n,
+    d]`` (``heads`` a multiple of ``kv_heads``), with each row's log-sum-exp of its scaled
+    scores ``[b, heads, m]``: what two attentions over two parts of the keys need to be
+    merged exactly. ``mask`` broadcasts to ``[b, heads, m, n]`` (bool: True where a key
+    counts; or additive); ``causal``: query ``i`` sees keys ``0..i`` (``m == n``).
+
+    On CPU this is torch's flash-attention kernel, which returns the log-sum-exp it keeps
+    anyway; elsewhere the same values from matrix products in fp32.
+    """
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            ~mask, float("-inf"))
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        return _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1),
+                                    float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - top)
-    return (torch.matmul(weights.to(v.dtype), v).float(), top,
-            weights.sum(-1, keepdim=True))
+        scores = scores + mask
+    lse = torch.logsumexp(scores, -1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v)
+    return out, lse
 
 
 def fuse_projections(model, prepack: bool = True) -> int:
@@ -454,33 +481,51 @@ def is_llama(model) -> bool:
 
 
 def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  attend) -> torch.Tensor:
+                  attend, last: torch.Tensor | None = None) -> torch.Tensor:
     """A Llama's next-token logits at the last column of ``input_ids`` ``[b, t]``:
-    ``[b, vocab]``.
+    ``[b, vocab]`` (``last``: at these flat indices into ``b * t`` instead).
 
-    The layers run in transformers' order with the model's own modules and maths (RMSNorm,
+    The layers run in transformers' order with the model's own weights and maths (RMSNorm,
     RoPE, the fused projections where ``fuse_projections`` made them, SiLU), but attention
     is ``attend(layer, q, k, v, scale)``: it gets the new positions' ``q`` ``[b, heads, t,
     head_dim]`` and ``k``, ``v`` ``[b, kv_heads, t, head_dim]`` after RoPE, stores the K/V
     where it keeps them, and returns the attention output ``[b, t, heads * head_dim]``.
     No cache object, no mask built for the caller: the caller knows its batch's shape.
-    The output head runs on the last column only.
+    Each layer is a handful of tensor operations (``_rms_norm``, ``_rope``, residuals added
+    in place), and the output head runs on the positions asked for only.
     """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     inner = model.model
     h = inner.embed_tokens(input_ids)
-    cos, sin = inner.rotary_emb(h, position_ids)
+    cos, sin = _rope_tables(*inner.rotary_emb(h, position_ids))
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        x = layer.input_layernorm(h)
-        q, k, v = (t.view(*x.shape[:-1], -1, attn.head_dim).transpose(1, 2)
-                   for t in _projections(attn, _QKV, x))
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        h = h + attn.o_proj(attend(i, q, k, v, attn.scaling))
-        gate, up = _projections(mlp, _GATE_UP, layer.post_attention_layernorm(h))
-        h = h + mlp.down_proj(mlp.act_fn(gate) * up)
-    return model.lm_head(inner.norm(h[:, -1]))
+        q, k, v = (t.view(*h.shape[:-1], -1, attn.head_dim)
+                   for t in _projections(attn, _QKV, _rms_norm(layer.input_layernorm, h)))
+        q, k = _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2)
+        h += attn.o_proj(attend(i, q, k, v.transpose(1, 2), attn.scaling))
+        gate, up = _projections(mlp, _GATE_UP, _rms_norm(layer.post_attention_layernorm, h))
+        h += mlp.down_proj(mlp.act_fn(gate).mul_(up))
+    h = h[:, -1] if last is None else h.view(-1, h.shape[-1]).index_select(0, last)
+    return model.lm_head(_rms_norm(inner.norm, h))
+
+
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm`` as one torch call (in fp32: the same values, bit for bit)."""
+    if x.dtype != torch.float32:
+        return norm(x)
+    return torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables ``[b, t, 1, head_dim]`` for ``_rope``: ``sin``'s first half negated,
+    so that transformers' ``rotate_half(x) * sin`` becomes ``x.roll(half) * sin`` (exact)."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat([-sin[..., :half], sin[..., half:]], -1).unsqueeze(2)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_pos_emb`` on ``x`` ``[b, t, heads, head_dim]`` in four operations."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def tiny_model(seed: int = 0, vocab_size: int = 128, num_layers: int = 2):

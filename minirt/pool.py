@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import InvalidIdsError, OutOfMemoryError, PoolError
-from .model import is_llama, llama_forward, shared_prefix_decode
+from .model import is_llama, llama_forward, shared_prefix_attention
 
 __all__ = ["KVPool", "PageTable", "PagedBatch", "PoolCache", "forward_paged", "as_index_tensor"]
 
@@ -392,6 +392,8 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     if (working is not None and last_only and all(x.numel() == 1 for x in ids)
             and is_llama(model)):
         return working.forward(model, tables, torch.cat(ids))
+    if last_only and is_llama(model):
+        return list(_prefill_llama(model, pool, tables, ids))
     batch = PagedBatch.build(tables, [x.numel() for x in ids])
     device = pool.device
     input_ids = torch.zeros(len(ids), batch.q_len, dtype=torch.int64)
@@ -412,6 +414,101 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     return [logits[r, batch.q_len - x.numel():] for r, x in enumerate(ids)]
 
 
+def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
+                   ids: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``forward_paged`` for a Llama, last positions only: ``llama_forward`` over the batch's
+    new tokens, attention split at the prefix every request shares (``shared_prefix_attention``).
+
+    The leading slots that all tables hold in common and that are cached for all of them
+    are read once per layer for the whole batch. Past them each request attends to its own
+    keys: when none has cached keys past the shared prefix and all add the same number of
+    tokens (a cold prompt, a burst behind one cached prefix) those are just its new K/V,
+    causally; otherwise they are gathered from the pool (the new K/V written first),
+    left-padded like the queries, behind a mask. New tokens that several requests starting
+    right after the shared prefix all begin with (a prompt prefix in flight, shorter than
+    a page, so not in the tree) are computed once, as rows of their own, and their K/V
+    written into each of those requests' slots.
+    """
+    device, b = pool.device, len(tables)
+    num_new = [x.numel() for x in ids]
+    starts = [len(t) - n for t, n in zip(tables, num_new, strict=True)]  # cached lengths
+    shared = _shared_length(tables, min(starts), last=False)
+    group = [r for r in range(b) if starts[r] == shared]
+    common = _common_run([ids[r] for r in group], min(num_new[r] for r in group) - 1) \
+        if len(group) > 1 else 0
+    own_len = [n - common * (s == shared) for n, s in zip(num_new, starts, strict=True)]
+    m = max(own_len)
+    plain = not common and all(s == shared for s in starts) and len(set(own_len)) == 1
+    # The rows: the common run once, then each request's own tokens left-padded to m.
+    input_ids = torch.zeros(common + b * m, dtype=torch.int64)
+    positions = torch.zeros(common + b * m, dtype=torch.int64)
+    if common:
+        input_ids[:common] = ids[group[0]][:common]
+        positions[:common] = torch.arange(shared, shared + common)
+    own_ids, own_pos = input_ids[common:].view(b, m), positions[common:].view(b, m)
+    real = torch.arange(m) >= m - torch.tensor(own_len)[:, None]  # [b, m]: not padding
+    for r, (t, x) in enumerate(zip(tables, ids, strict=True)):
+        own_ids[r, m - own_len[r]:] = x[x.numel() - own_len[r]:]
+        own_pos[r, m - own_len[r]:] = torch.arange(len(t) - own_len[r], len(t))
+    # Where each computed row's K/V goes: the common rows into each of their requests' slots.
+    new_slots = torch.cat([tables[r].slots[shared:shared + common] for r in group]
+                          + [t.slots[len(t) - n:] for t, n in zip(tables, own_len, strict=True)])
+    source = torch.cat([torch.arange(common).repeat(len(group)),
+                        common + real.view(-1).nonzero()[:, 0]])
+    new_slots, source = new_slots.to(device), source.to(device)
+    prefix = tables[0].slots[:shared].to(device)
+    own = mask = None
+    if not plain:  # each request's keys past the prefix, left-padded, and who sees which
+        width = max(len(t) for t in tables) - shared
+        own = torch.zeros(b, width, dtype=torch.int64)
+        key_pos = torch.full((b, width), -1, dtype=torch.int64)
+        for r, t in enumerate(tables):
+            own[r, width - len(t) + shared:] = t.slots[shared:]
+            key_pos[r, width - len(t) + shared:] = torch.arange(shared, len(t))
+        query_pos = torch.where(real, own_pos, max(len(t) for t in tables))  # padding: all
+        sees = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= query_pos[:, :, None])
+        mask = torch.zeros(b, 1, m, width, dtype=pool.dtype).masked_fill_(
+            ~sees[:, None], float("-inf")).to(device)
+        own = own.view(-1).to(device)
+    kv_heads, head_dim = pool.kv_heads, pool.head_dim
+
+    def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
+        # q [1, heads, rows, head_dim], k and v [1, kv_heads, rows, head_dim]
+        rows_k, rows_v = k[0].transpose(0, 1), v[0].transpose(0, 1)
+        pool.write(layer, new_slots, rows_k.index_select(0, source),
+                   rows_v.index_select(0, source))
+        pk = pool.k[layer].index_select(0, prefix).transpose(0, 1)
+        pv = pool.v[layer].index_select(0, prefix).transpose(0, 1)
+        heads, out = q.shape[1], []
+        if common:
+            out.append(shared_prefix_attention(q[:, :, :common], pk, pv, k[:, :, :common],
+                                               v[:, :, :common], None, scale, causal=True))
+        qo = q[0, :, common:].reshape(heads, b, m, head_dim).transpose(0, 1)
+        if own is None:
+            ko = k[0, :, common:].reshape(kv_heads, b, m, head_dim).transpose(0, 1)
+            vo = v[0, :, common:].reshape(kv_heads, b, m, head_dim).transpose(0, 1)
+        else:
+            ko = pool.k[layer].index_select(0, own).view(b, -1, kv_heads, head_dim)
+            vo = pool.v[layer].index_select(0, own).view(b, -1, kv_heads, head_dim)
+            ko, vo = ko.transpose(1, 2), vo.transpose(1, 2)
+        out.append(shared_prefix_attention(qo, pk, pv, ko, vo, mask, scale, causal=own is None))
+        return torch.cat([o.reshape(1, -1, heads * head_dim) for o in out], 1)
+
+    last = common + torch.arange(1, b + 1) * m - 1  # each request's last token
+    return llama_forward(model, input_ids.view(1, -1).to(device),
+                         positions.view(1, -1).to(device), attend, last.to(device))
+
+
+def _common_run(ids: Sequence[torch.Tensor], limit: int) -> int:
+    """How many leading tokens all ``ids`` have in common, at most ``limit``."""
+    n = max(limit, 0)
+    first = ids[0][:n]
+    same = torch.ones(n, dtype=torch.bool)
+    for x in ids[1:]:
+        same &= x[:n] == first
+    return n if bool(same.all()) else int((~same).nonzero()[0])
+
+
 # ---------------------------------------------------------------------------
 # Decode without gathering: the running batch's K/V kept contiguous between steps.
 
@@ -427,7 +524,7 @@ class WorkingKV:
     the rest into its row of ``k``/``v`` ``[layers, rows, kv_heads, positions, head_dim]``.
     Each step writes the new token's K/V to its pool slot (the pool stays the source of
     truth) *and* appends it to the row; attention reads the prefix once for the whole batch
-    and each row where it lies (``shared_prefix_decode``). Rows are keyed by the
+    and each row where it lies (``shared_prefix_attention``). Rows are keyed by the
     ``PageTable`` object; a row whose slots no longer match its table is refilled from the
     pool, and a request that does not share the whole stored prefix starts it over.
     """
@@ -537,8 +634,9 @@ class WorkingKV:
         """One decode step: ``tokens[i]`` is the new token of ``tables[i]`` (its last
         position). Returns each request's next-token logits, in ``tables`` order.
 
-        The model runs as ``llama_forward``: in each layer, ``attend`` writes the new K/V to
-        the pool and onto the end of each row, then attends over the prefix and the rows.
+        The model runs as ``llama_forward``: in each layer, ``attend`` writes the new K/V onto
+        the end of each row, then attends over the prefix and the rows; after the last layer
+        the new K/V of all layers go into their pool slots in one copy.
         """
         order = self.sync(tables)
         n, device = len(order), self.pool.device
@@ -550,20 +648,27 @@ class WorkingKV:
             rows, column, mask = slice(0, n), width - 1, None
         else:
             rows, column = torch.arange(n, device=device), own.to(device)
-            mask = (torch.arange(width) <= own[:, None]).view(n, 1, 1, width).to(device)
+            mask = torch.zeros(n, 1, 1, width, dtype=self.pool.dtype, device=device)
+            mask.masked_fill_((torch.arange(width) > own[:, None]).view(n, 1, 1, width)
+                              .to(device), float("-inf"))
 
         def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
-            k_new, v_new = k[:, :, 0], v[:, :, 0]  # [n, kv_heads, head_dim]
-            self.pool.write(layer, new_slots, k_new, v_new)
             keys, values = self.k[layer], self.v[layer]
-            keys[rows, :, column] = k_new
-            values[rows, :, column] = v_new
-            out = shared_prefix_decode(q, self.prefix_k[layer], self.prefix_v[layer],
-                                       keys[:n, :, :width], values[:n, :, :width], mask, scale)
+            keys[rows, :, column] = k[:, :, 0]
+            values[rows, :, column] = v[:, :, 0]
+            out = shared_prefix_attention(q, self.prefix_k[layer], self.prefix_v[layer],
+                                          keys[:n, :, :width], values[:n, :, :width], mask,
+                                          scale)
             return out.reshape(n, 1, -1)
 
         logits = llama_forward(model, tokens[order].view(n, 1).to(device),
                                lengths.view(n, 1).to(device), attend)
+        # The new K/V of every layer, now in the rows, into their pool slots in one copy.
+        k_new, v_new = self.k[:, rows, :, column], self.v[:, rows, :, column]
+        if mask is not None:  # advanced indices around a slice: their dimension comes first
+            k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)
+        self.pool.k.index_copy_(1, new_slots, k_new)
+        self.pool.v.index_copy_(1, new_slots, v_new)
         for r, i in enumerate(order):
             self.slots[r] = tables[i].slots
         out: list[torch.Tensor] = [logits[0]] * n
@@ -572,10 +677,11 @@ class WorkingKV:
         return out
 
 
-def _shared_length(tables: Sequence[PageTable], limit: int | None = None) -> int:
-    """How many leading slots all ``tables`` have in common, not counting each one's last
-    position (its new token), up to ``limit``."""
-    n = min(len(t) for t in tables) - 1
+def _shared_length(tables: Sequence[PageTable], limit: int | None = None,
+                   last: bool = True) -> int:
+    """How many leading slots all ``tables`` have in common, up to ``limit``; with ``last``,
+    not counting each one's last position (its new token)."""
+    n = min(len(t) for t in tables) - int(last)
     if limit is not None:
         n = min(n, limit)
     first = tables[0].slots[:n]

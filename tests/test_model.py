@@ -16,6 +16,7 @@ from minirt.kv import extend, prefill
 from minirt.model import (
     ATTENTION,
     DEFAULT_MODEL,
+    attention_lse,
     cache_dir,
     default_device,
     default_dtype,
@@ -24,6 +25,7 @@ from minirt.model import (
     is_llama,
     llama_forward,
     load_model,
+    shared_prefix_attention,
     tiny_model,
 )
 
@@ -107,6 +109,49 @@ def test_fused_projections_change_no_weight_and_no_logit(which):
             torch.testing.assert_close(fused(x).logits, plain(x).logits, rtol=1e-4, atol=1e-4)
         one = extend(fused, prefill(fused, ids[0, :23])[1], ids[0, 23:])[0]
         torch.testing.assert_close(one, plain(ids[:1]).logits[0, 23:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["cpu flash", "matrix products"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_attention_split_at_a_shared_prefix_is_whole_attention(monkeypatch, kernel, m):
+    """``shared_prefix_attention``: a prefix read once for the batch, each sequence's own keys
+    (ragged, behind a mask, or causal), merged through their log-sum-exps, equals one
+    softmax over the whole keys; ``attention_lse``'s log-sum-exp is the scores' own, on
+    torch's CPU kernel and on the matrix-product path other devices take."""
+    import minirt.model as model_module
+
+    if kernel == "matrix products":
+        monkeypatch.setattr(model_module, "_FLASH_CPU", None)
+    gen = torch.Generator().manual_seed(4)
+    b, heads, kv_heads, d, p, n = 3, 6, 2, 8, 7, 9
+    q = torch.randn(b, heads, m, d, generator=gen)
+    pk, pv = torch.randn(2, kv_heads, p, d, generator=gen)
+    k, v = torch.randn(2, b, kv_heads, n, d, generator=gen)
+    whole_k = torch.cat([pk.expand(b, -1, -1, -1), k], 2)
+    whole_v = torch.cat([pv.expand(b, -1, -1, -1), v], 2)
+    own_pos = torch.arange(n) - (n - m)  # query j sits at own key n - m + j
+    causal = own_pos[None, :] <= torch.arange(m)[:, None]
+    ragged = (torch.arange(n) >= torch.tensor([0, 2, 4])[:, None])[:, None, None]  # [b,1,1,n]
+    square = torch.randn(b, heads, n, d, generator=gen)  # every own position a query
+    for query, own_mask, is_causal in [(q, None, False), (q, ragged & causal, False),
+                                       (square, None, True)]:
+        rows = query.shape[2]
+        sees = torch.ones(b, 1, rows, n, dtype=torch.bool).tril() if is_causal else \
+            torch.ones(b, 1, rows, n, dtype=torch.bool) if own_mask is None else own_mask
+        whole_mask = torch.cat([torch.ones(b, 1, rows, p, dtype=torch.bool),
+                                sees.expand(b, 1, rows, n)], -1)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query, whole_k, whole_v, attn_mask=whole_mask, scale=0.3, enable_gqa=True)
+        got = shared_prefix_attention(query, pk, pv, k, v, own_mask, 0.3, causal=is_causal)
+        torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    scores = (q @ k.repeat_interleave(3, 1).transpose(-1, -2)) * 0.3
+    _, lse = attention_lse(q, k, v, ragged, 0.3)
+    want_lse = torch.logsumexp(scores.masked_fill(~ragged, float("-inf")), -1)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    out, _ = attention_lse(square, k, v, None, 0.3, causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(square, k, v, is_causal=True,
+                                                            scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("which", ["tiny_model", "default model"])

@@ -164,6 +164,59 @@ def test_batched_decode_and_prefill_of_different_lengths(model):
     torch.testing.assert_close(got_b, model(b[None]).logits[0], atol=1e-5, rtol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 9), st.integers(0, 6),
+       st.lists(st.tuples(st.sampled_from(["shared", "more", "cold"]), st.integers(1, 7)),
+                min_size=1, max_size=5),
+       st.booleans(), st.integers(0, 10_000))
+def test_batched_prefill_matches_the_model_for_any_ragged_batch(model, prefix_len, run_len,
+                                                                requests, twins, seed):
+    """The last-position prefill of a Llama (``_prefill_llama``): requests behind one shared
+    cached prefix, with more cached of their own, or cold, several starting with the same
+    new tokens (computed once), each with its own tail. Every request's logits equal the
+    model's on its whole prompt, and the pool then holds every new position's K/V: one
+    more token through the gathering path (transformers' forward) agrees too. ``twins``:
+    every request has the same tail (identical prompts: all but the last token shared)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = KVPool.for_model(model, 256)
+    prefix = torch.randint(0, 128, (prefix_len,), generator=gen)
+    run = torch.randint(0, 128, (run_len,), generator=gen)
+    shared = PageTable(pool.alloc(prefix_len))
+    if prefix_len:
+        forward_paged(model, pool, [shared], [prefix])
+    tables, news, prompts = [], [], []
+    same = torch.randint(0, 128, (requests[0][1],), generator=gen)
+    for kind, own in requests:
+        tail = same if twins else torch.randint(0, 128, (own,), generator=gen)
+        if kind == "cold" or not prefix_len:
+            prompt, table, cached = torch.cat([run, tail]), PageTable(), 0
+        else:
+            table, cached = PageTable(shared.slots), prefix_len
+            prompt = torch.cat([prefix, run, tail])
+            if kind == "more":  # a further cached stretch in slots of its own
+                extra = torch.randint(0, 128, (3,), generator=gen)
+                prompt = torch.cat([prefix, extra, run, tail])
+                table.append(pool.alloc(3))
+                forward_paged(model, pool, [table], [extra])
+                cached += 3
+        table.append(pool.alloc(prompt.numel() - cached))
+        tables.append(table)
+        news.append(prompt[cached:])
+        prompts.append(prompt)
+    with torch.inference_mode():
+        got = forward_paged(model, pool, tables, news)
+        for prompt, logits in zip(prompts, got, strict=True):
+            torch.testing.assert_close(logits, model(prompt[None]).logits[0, -1],
+                                       atol=1e-4, rtol=1e-4)
+        nxt = [torch.tensor([int(g.argmax())]) for g in got]
+        for t in tables:
+            t.append(pool.alloc(1))
+        again = forward_paged(model, pool, tables, nxt, last_only=False)
+        for prompt, n, logits in zip(prompts, nxt, again, strict=True):
+            want = model(torch.cat([prompt, n])[None]).logits[0, -1]
+            torch.testing.assert_close(logits[-1], want, atol=1e-4, rtol=1e-4)
+
+
 def test_forward_paged_rejects_missing_slots(model):
     pool = KVPool.for_model(model, 8)
     with pytest.raises(PoolError, match="allocate slots"):
