@@ -362,6 +362,7 @@ class Engine:
         if self.host_tier is not None:  # load-backs make room the way admissions do
             self.host_tier.make_room = self.lifecycle.make_room
         self.use_cache, self.token_budget, self.check = use_cache, token_budget, check
+        self.lifecycle.share_runs = use_cache  # without a cache, nothing is computed once
         config = model.config.get_text_config(decoder=True)
         self.vocab_size = int(config.vocab_size)
         self.max_positions = getattr(config, "max_position_embeddings", None)

@@ -159,6 +159,7 @@ class Lifecycle:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.working = WorkingKV(pool)  # decode reads running K/V here, not gathered
+        self.share_runs = True  # prefill computes a run several requests begin with once
 
     # ------------------------------------------------------------ requests
     def new_request(self, prompt, max_new_tokens: int = 1, rid: str | None = None,
@@ -304,7 +305,8 @@ class Lifecycle:
         if len({r.rid for r in reqs}) != len(reqs):
             raise RequestError("a request appears twice in one prefill batch")
         logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
-                               [r.prompt[r.kv_len:] for r in reqs], last_only=not all_logits)
+                               [r.prompt[r.kv_len:] for r in reqs], last_only=not all_logits,
+                               share_runs=self.share_runs)
         for req, lg in zip(reqs, logits, strict=True):
             req.kv_len = req.prompt.numel()
             req.output.append(req.next_token(lg if lg.dim() == 1 else lg[-1]))

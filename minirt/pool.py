@@ -25,7 +25,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .errors import InvalidIdsError, OutOfMemoryError, PoolError
 from .model import is_llama, llama_forward, shared_prefix_attention
 
-__all__ = ["KVPool", "PageTable", "PagedBatch", "PoolCache", "forward_paged", "as_index_tensor"]
+__all__ = ["KVPool", "PageTable", "PagedBatch", "PoolCache", "PrefillPlan", "WorkingKV",
+           "forward_paged", "as_index_tensor"]
 
 
 def as_index_tensor(values, what: str = "indices") -> torch.Tensor:
@@ -370,8 +371,8 @@ class PoolCache(Cache):
 
 @torch.inference_mode()
 def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Sequence,
-                  last_only: bool = True, working: WorkingKV | None = None
-                  ) -> list[torch.Tensor]:
+                  last_only: bool = True, working: WorkingKV | None = None,
+                  share_runs: bool = True) -> list[torch.Tensor]:
     """Run ``model`` on the new tokens of several requests through the pool; return logits.
 
     ``tables[r]`` already maps every position of request ``r``, including its
@@ -380,6 +381,8 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     ``last_only=False``, of every new token (``[n_new, vocab]``). ``working``: for a
     decode step (one new token each) of a Llama, attention reads these requests' K/V from
     this ``WorkingKV`` instead of gathering it from the pool (other models gather).
+    ``share_runs``: a Llama's prefill computes a run of new tokens that several requests
+    begin with once (``PrefillPlan``); False computes every request's tokens itself.
     """
     if len(tables) != len(new_ids) or not tables:
         raise PoolError(f"forward_paged needs one page table per request, got {len(tables)} "
@@ -393,7 +396,7 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
             and is_llama(model)):
         return working.forward(model, tables, torch.cat(ids))
     if last_only and is_llama(model):
-        return list(_prefill_llama(model, pool, tables, ids))
+        return list(_prefill_llama(model, pool, tables, ids, share_runs))
     batch = PagedBatch.build(tables, [x.numel() for x in ids])
     device = pool.device
     input_ids = torch.zeros(len(ids), batch.q_len, dtype=torch.int64)
@@ -414,62 +417,110 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     return [logits[r, batch.q_len - x.numel():] for r, x in enumerate(ids)]
 
 
-def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
-                   ids: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``forward_paged`` for a Llama, last positions only: ``llama_forward`` over the batch's
-    new tokens, attention split at the prefix every request shares (``shared_prefix_attention``).
+@dataclass
+class PrefillPlan:
+    """How a Llama prefills a batch through the pool (``forward_paged``, last positions only):
+    which keys are read once for all, which new tokens are computed once, what each row is.
 
-    The leading slots that all tables hold in common and that are cached for all of them
-    are read once per layer for the whole batch. Past them each request attends to its own
-    keys: when none has cached keys past the shared prefix and all add the same number of
-    tokens (a cold prompt, a burst behind one cached prefix) those are just its new K/V,
-    causally; otherwise they are gathered from the pool (the new K/V written first),
-    left-padded like the queries, behind a mask. New tokens that several requests starting
-    right after the shared prefix all begin with (a prompt prefix in flight, shorter than
-    a page, so not in the tree) are computed once, as rows of their own, and their K/V
-    written into each of those requests' slots.
+    ``shared``: leading slots that every table holds in common and that are cached for all;
+    attention reads them once per layer for the whole batch. ``common``: new tokens that
+    the requests in ``group`` (those starting right after the shared prefix) all begin
+    with, a prompt prefix in flight and shorter than a page, so not in the tree: computed
+    once, on rows of their own, their K/V written into each of those requests' slots.
+    ``own``: the tokens each request computes itself, left-padded to the longest. The
+    forward's rows are the common run, then each request's own tokens: ``rows`` of them.
+    """
+
+    shared: int
+    common: int
+    group: list[int]
+    own: list[int]
+    input_ids: torch.Tensor   # [rows] token of every row (padding: 0)
+    positions: torch.Tensor   # [rows] its position in its request
+    real: torch.Tensor        # [b, width] True where an own row is a token, not padding
+    new_slots: torch.Tensor   # slots receiving new K/V: the run's, once per group request,
+    source: torch.Tensor      # ... and the row each one's K/V comes from
+    prefix: torch.Tensor      # [shared] the slots read once
+    own_slots: torch.Tensor | None  # [b, keys] each request's keys past the prefix (None:
+    mask: torch.Tensor | None       # its own new K/V, causally); [b, 1, width, keys] additive
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def width(self) -> int:
+        return max(self.own)
+
+    @property
+    def last(self) -> torch.Tensor:
+        """The row of each request's last token, whose logits the forward returns."""
+        return self.common + torch.arange(1, len(self.own) + 1) * self.width - 1
+
+    @classmethod
+    def build(cls, tables: Sequence[PageTable], ids: Sequence[torch.Tensor],
+              dtype: torch.dtype = torch.float32, share_runs: bool = True) -> PrefillPlan:
+        """The plan for ``ids[r]``, the last ``len(ids[r])`` positions of ``tables[r]``
+        (``share_runs=False``: no common run, every request computes its own tokens)."""
+        b, num_new = len(tables), [x.numel() for x in ids]
+        starts = [len(t) - n for t, n in zip(tables, num_new, strict=True)]  # cached lengths
+        shared = _shared_length(tables, min(starts), last=False)
+        group = [r for r in range(b) if starts[r] == shared]
+        common = _common_run([ids[r] for r in group], min(num_new[r] for r in group) - 1) \
+            if share_runs and len(group) > 1 else 0
+        if not common:
+            group = []
+        own = [n - common * (r in group) for r, n in enumerate(num_new)]
+        m = max(own)
+        input_ids = torch.zeros(common + b * m, dtype=torch.int64)
+        positions = torch.zeros(common + b * m, dtype=torch.int64)
+        if common:
+            input_ids[:common] = ids[group[0]][:common]
+            positions[:common] = torch.arange(shared, shared + common)
+        own_ids, own_pos = input_ids[common:].view(b, m), positions[common:].view(b, m)
+        real = torch.arange(m) >= m - torch.tensor(own)[:, None]
+        for r, (t, x) in enumerate(zip(tables, ids, strict=True)):
+            own_ids[r, m - own[r]:] = x[x.numel() - own[r]:]
+            own_pos[r, m - own[r]:] = torch.arange(len(t) - own[r], len(t))
+        new_slots = torch.cat([tables[r].slots[shared:shared + common] for r in group]
+                              + [t.slots[len(t) - n:] for t, n in zip(tables, own, strict=True)])
+        source = torch.cat([torch.arange(common).repeat(len(group)),
+                            common + real.view(-1).nonzero()[:, 0]])
+        own_slots = mask = None
+        if common or any(s != shared for s in starts) or len(set(own)) > 1:
+            # Keys past the prefix come from the pool, left-padded; who sees which.
+            longest = max(len(t) for t in tables)
+            width = longest - shared
+            own_slots = torch.zeros(b, width, dtype=torch.int64)
+            key_pos = torch.full((b, width), -1, dtype=torch.int64)
+            for r, t in enumerate(tables):
+                own_slots[r, width - len(t) + shared:] = t.slots[shared:]
+                key_pos[r, width - len(t) + shared:] = torch.arange(shared, len(t))
+            query_pos = torch.where(real, own_pos, longest)  # a padding row sees every key
+            sees = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= query_pos[:, :, None])
+            mask = torch.zeros(b, 1, m, width, dtype=dtype).masked_fill_(~sees[:, None],
+                                                                        float("-inf"))
+        return cls(shared, common, group, own, input_ids, positions, real, new_slots, source,
+                   tables[0].slots[:shared], own_slots, mask)
+
+
+def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
+                   ids: Sequence[torch.Tensor], share_runs: bool = True) -> torch.Tensor:
+    """``forward_paged`` for a Llama, last positions only: ``llama_forward`` over the rows
+    of a ``PrefillPlan``, attention split at the shared prefix (``shared_prefix_attention``).
+
+    Each layer writes the new K/V to the pool first (the common run's into every one of its
+    requests' slots), then the run attends to the prefix and causally to itself, and each
+    request's own tokens attend to the prefix and to their own keys: the new K/V themselves
+    when nothing else lies past the prefix, else gathered from the pool behind the mask.
     """
     device, b = pool.device, len(tables)
-    num_new = [x.numel() for x in ids]
-    starts = [len(t) - n for t, n in zip(tables, num_new, strict=True)]  # cached lengths
-    shared = _shared_length(tables, min(starts), last=False)
-    group = [r for r in range(b) if starts[r] == shared]
-    common = _common_run([ids[r] for r in group], min(num_new[r] for r in group) - 1) \
-        if len(group) > 1 else 0
-    own_len = [n - common * (s == shared) for n, s in zip(num_new, starts, strict=True)]
-    m = max(own_len)
-    plain = not common and all(s == shared for s in starts) and len(set(own_len)) == 1
-    # The rows: the common run once, then each request's own tokens left-padded to m.
-    input_ids = torch.zeros(common + b * m, dtype=torch.int64)
-    positions = torch.zeros(common + b * m, dtype=torch.int64)
-    if common:
-        input_ids[:common] = ids[group[0]][:common]
-        positions[:common] = torch.arange(shared, shared + common)
-    own_ids, own_pos = input_ids[common:].view(b, m), positions[common:].view(b, m)
-    real = torch.arange(m) >= m - torch.tensor(own_len)[:, None]  # [b, m]: not padding
-    for r, (t, x) in enumerate(zip(tables, ids, strict=True)):
-        own_ids[r, m - own_len[r]:] = x[x.numel() - own_len[r]:]
-        own_pos[r, m - own_len[r]:] = torch.arange(len(t) - own_len[r], len(t))
-    # Where each computed row's K/V goes: the common rows into each of their requests' slots.
-    new_slots = torch.cat([tables[r].slots[shared:shared + common] for r in group]
-                          + [t.slots[len(t) - n:] for t, n in zip(tables, own_len, strict=True)])
-    source = torch.cat([torch.arange(common).repeat(len(group)),
-                        common + real.view(-1).nonzero()[:, 0]])
-    new_slots, source = new_slots.to(device), source.to(device)
-    prefix = tables[0].slots[:shared].to(device)
-    own = mask = None
-    if not plain:  # each request's keys past the prefix, left-padded, and who sees which
-        width = max(len(t) for t in tables) - shared
-        own = torch.zeros(b, width, dtype=torch.int64)
-        key_pos = torch.full((b, width), -1, dtype=torch.int64)
-        for r, t in enumerate(tables):
-            own[r, width - len(t) + shared:] = t.slots[shared:]
-            key_pos[r, width - len(t) + shared:] = torch.arange(shared, len(t))
-        query_pos = torch.where(real, own_pos, max(len(t) for t in tables))  # padding: all
-        sees = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= query_pos[:, :, None])
-        mask = torch.zeros(b, 1, m, width, dtype=pool.dtype).masked_fill_(
-            ~sees[:, None], float("-inf")).to(device)
-        own = own.view(-1).to(device)
+    plan = PrefillPlan.build(tables, ids, pool.dtype, share_runs)
+    common, m = plan.common, plan.width
+    new_slots, source, prefix = (plan.new_slots.to(device), plan.source.to(device),
+                                 plan.prefix.to(device))
+    own = None if plan.own_slots is None else plan.own_slots.view(-1).to(device)
+    mask = None if plan.mask is None else plan.mask.to(device)
     kv_heads, head_dim = pool.kv_heads, pool.head_dim
 
     def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
@@ -494,9 +545,8 @@ def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
         out.append(shared_prefix_attention(qo, pk, pv, ko, vo, mask, scale, causal=own is None))
         return torch.cat([o.reshape(1, -1, heads * head_dim) for o in out], 1)
 
-    last = common + torch.arange(1, b + 1) * m - 1  # each request's last token
-    return llama_forward(model, input_ids.view(1, -1).to(device),
-                         positions.view(1, -1).to(device), attend, last.to(device))
+    return llama_forward(model, plan.input_ids.view(1, -1).to(device),
+                         plan.positions.view(1, -1).to(device), attend, plan.last.to(device))
 
 
 def _common_run(ids: Sequence[torch.Tensor], limit: int) -> int:
