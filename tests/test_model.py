@@ -144,6 +144,10 @@ def test_attention_split_at_a_shared_prefix_is_whole_attention(monkeypatch, kern
             query, whole_k, whole_v, attn_mask=whole_mask, scale=0.3, enable_gqa=True)
         got = shared_prefix_attention(query, pk, pv, k, v, own_mask, 0.3, causal=is_causal)
         torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+        half = shared_prefix_attention(*(t.bfloat16() for t in (query, pk, pv, k, v)),
+                                       own_mask, 0.3, causal=is_causal)  # as on a GPU
+        assert half.dtype == torch.bfloat16
+        torch.testing.assert_close(half.float(), got, rtol=0.05, atol=0.05)
     scores = (q @ k.repeat_interleave(3, 1).transpose(-1, -2)) * 0.3
     _, lse = attention_lse(q, k, v, ragged, 0.3)
     want_lse = torch.logsumexp(scores.masked_fill(~ragged, float("-inf")), -1)
