@@ -10,11 +10,14 @@
    * no cache: the same engine with ``use_cache=False``, prefilling all P + S tokens.
    Medians of ``--repeats`` runs after a warm-up, the three timed in turn; every cached
    run uses a fresh suffix (so it never hits a suffix cached by the previous run).
-2. Where the cached time goes (P=1024, S=64): one forward through the pool with
-   transformers' sdpa (which copies each grouped K/V head per query head) and with
-   ``minirt.model.ATTENTION`` (reads them in place), against the ideal; the profiler's
-   split of the forward; and the FLOP model of exercise 6.3 (attention to the cached
-   prefix is arithmetic the ideal does not do: with exact attention, the floor).
+2. Where the cached time goes (P=1024, S=64): one forward through the pool, as
+   transformers' forward over chapter 04's ``PoolCache`` with transformers' sdpa (which
+   copies each grouped K/V head per query head) and with ``minirt.model.ATTENTION``
+   (reads them in place), and as the engine runs it (``llama_forward``, the cached
+   prefix read once and merged with the new tokens' causal attention), against the ideal;
+   the profiler's split of the engine's forward; and the FLOP model of exercise 6.3
+   (attention to the cached prefix is arithmetic the ideal does not do: with exact
+   attention, the floor).
 3. The chapter's workloads with a pool large enough never to evict: prompt tokens
    computed against the unique-token bound, and the hit rate (deterministic counts).
 
@@ -27,6 +30,7 @@ import argparse
 import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -121,8 +125,13 @@ def where_time_goes(model, repeats: int) -> None:
     def paged(attention):
         def run() -> None:
             model.set_attn_implementation(attention)
-            forward_paged(model, pool, [table], [ids[1024:]])
+            with mock.patch("minirt.pool.is_llama", lambda m: False):  # transformers' forward
+                forward_paged(model, pool, [table], [ids[1024:]])
         return run
+
+    def engine_path() -> None:
+        model.set_attn_implementation(ATTENTION)
+        forward_paged(model, pool, [table], [ids[1024:]])
 
     def bare() -> None:
         model.set_attn_implementation(ATTENTION)
@@ -132,6 +141,7 @@ def where_time_goes(model, repeats: int) -> None:
     variants = {
         "through the pool, transformers' sdpa (K/V heads copied)": paged("sdpa"),
         f"through the pool, {ATTENTION} (K/V heads read in place)": paged(ATTENTION),
+        "through the pool, llama_forward, prefix read once (minirt)": engine_path,
         "bare prefill of the 64 suffix tokens (the ideal)": bare,
     }
     times = interleaved_medians(variants, repeats)
@@ -144,7 +154,8 @@ def where_time_goes(model, repeats: int) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             forward_paged(model, pool, [table], [ids[1024:]])
-    groups = {"linear layers (mm/addmm)": ("aten::mm", "aten::addmm"),
+    groups = {"linear layers (GEMMs)": ("aten::mm", "aten::addmm",
+                                        "mkldnn::_linear_pointwise"),
               "attention (sdpa)": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                                    "aten::_scaled_dot_product_attention_math",
                                    "aten::_scaled_dot_product_efficient_attention",

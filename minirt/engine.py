@@ -13,7 +13,9 @@ everything submitted so far, the way mini-sglang's scheduler loop does:
 3. *prefill* the uncached tokens of everything admitted in one forward pass through
    the pool, sample each first output token (that is the time to first token, TTFT),
    and insert the prompts into the tree so that requests admitted later can share them
-   (a request that would share a prompt of its own batch waits one step for it);
+   (a request that would share whole pages of a prompt of its own batch waits one step
+   for them; a shorter run of new tokens that several begin with is computed once,
+   ``pool.PrefillPlan``);
 4. *decode*: one forward pass per step for every running request together, attention
    reading each request's K/V from a contiguous working copy (``pool.WorkingKV``);
 5. *finish*: insert prompt + output, unlock, free the tail that is not a whole page.

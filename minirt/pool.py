@@ -12,6 +12,10 @@ node) never owns tensors, only *slot indices* into the pool:
   requests. A ``transformers`` ``Cache`` adapter writes each new token's K/V into the
   request's slots and hands attention the K/V gathered from its page table, so the
   attention math is exactly the model's own: RadixAttention changes no math.
+* For a Llama, the engine's fast paths run the same maths layer by layer
+  (``model.llama_forward``): a prefill laid out as a ``PrefillPlan`` (the prefix every
+  request shares read once, a run of new tokens several begin with computed once) and a
+  decode step over ``WorkingKV``'s contiguous rows.
 """
 
 from __future__ import annotations
@@ -437,12 +441,12 @@ class PrefillPlan:
     own: list[int]
     input_ids: torch.Tensor   # [rows] token of every row (padding: 0)
     positions: torch.Tensor   # [rows] its position in its request
-    real: torch.Tensor        # [b, width] True where an own row is a token, not padding
-    new_slots: torch.Tensor   # slots receiving new K/V: the run's, once per group request,
-    source: torch.Tensor      # ... and the row each one's K/V comes from
+    new_slots: torch.Tensor   # slots receiving new K/V: the run's once per group request,
+    source: torch.Tensor      # and the row each one's K/V comes from
     prefix: torch.Tensor      # [shared] the slots read once
-    own_slots: torch.Tensor | None  # [b, keys] each request's keys past the prefix (None:
-    mask: torch.Tensor | None       # its own new K/V, causally); [b, 1, width, keys] additive
+    own_slots: torch.Tensor | None  # [b, keys] each request's keys past the prefix, from
+    mask: torch.Tensor | None       # the pool, seen through this [b, 1, width, keys] additive
+                                    # mask; None: the own tokens' new K/V, causally
 
     @property
     def rows(self) -> int:
@@ -500,7 +504,7 @@ class PrefillPlan:
             sees = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= query_pos[:, :, None])
             mask = torch.zeros(b, 1, m, width, dtype=dtype).masked_fill_(~sees[:, None],
                                                                         float("-inf"))
-        return cls(shared, common, group, own, input_ids, positions, real, new_slots, source,
+        return cls(shared, common, group, own, input_ids, positions, new_slots, source,
                    tables[0].slots[:shared], own_slots, mask)
 
 
@@ -543,7 +547,8 @@ def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
             vo = pool.v[layer].index_select(0, own).view(b, -1, kv_heads, head_dim)
             ko, vo = ko.transpose(1, 2), vo.transpose(1, 2)
         out.append(shared_prefix_attention(qo, pk, pv, ko, vo, mask, scale, causal=own is None))
-        return torch.cat([o.reshape(1, -1, heads * head_dim) for o in out], 1)
+        out = [o.reshape(1, -1, heads * head_dim) for o in out]
+        return torch.cat(out, 1) if common else out[0]
 
     return llama_forward(model, plan.input_ids.view(1, -1).to(device),
                          plan.positions.view(1, -1).to(device), attend, plan.last.to(device))

@@ -185,6 +185,29 @@ def test_llama_forward_gives_the_models_logits(which, fused):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_llama_forward_norm_and_rope_are_transformers_own_bit_for_bit():
+    """``_rms_norm`` (one torch call) and ``_rope`` (a roll instead of ``rotate_half``) give
+    transformers' ``LlamaRMSNorm`` and ``apply_rotary_pos_emb`` exactly, in fp32."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from minirt.model import _rms_norm, _rope, _rope_tables
+
+    model = tiny_model(5)
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 7, model.config.hidden_size, generator=gen)
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.normal_(generator=gen)
+        assert torch.equal(_rms_norm(norm, h), norm(h))
+        q = torch.randn(2, 7, 4, 16, generator=gen)  # [b, t, heads, head_dim]
+        k = torch.randn(2, 7, 2, 16, generator=gen)
+        cos, sin = model.model.rotary_emb(h, torch.arange(3, 10).expand(2, 7))
+        want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        tables = _rope_tables(cos, sin)
+        assert torch.equal(_rope(q, *tables).transpose(1, 2), want_q)
+        assert torch.equal(_rope(k, *tables).transpose(1, 2), want_k)
+
+
 def test_is_llama_only_for_llama_layers():
     from transformers import GPT2Config, GPT2LMHeadModel
 
