@@ -296,7 +296,9 @@ def shared_prefix_attention(query: torch.Tensor, prefix_k: torch.Tensor,
                                      prefix_k[None], prefix_v[None], None, scale)
         p_out = p_out.reshape(kv_heads, b, group * m, d).transpose(0, 1).reshape(out.shape)
         p_lse = p_lse.reshape(kv_heads, b, group * m).transpose(0, 1).reshape(lse.shape)
-        out = torch.lerp(out.float(), p_out.float(), torch.sigmoid(p_lse - lse).unsqueeze(-1))
+        exact = torch.promote_types(query.dtype, torch.float32)  # bf16 merges in fp32
+        out = torch.lerp(out.to(exact), p_out.to(exact),
+                         torch.sigmoid(p_lse - lse).unsqueeze(-1).to(exact))
     return out.to(query.dtype).reshape(b, heads, m, d).transpose(1, 2)
 
 
