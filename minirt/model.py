@@ -314,16 +314,18 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     counts; or additive); ``causal``: query ``i`` sees keys ``0..i`` (``m == n``).
 
     On CPU this is torch's flash-attention kernel, which returns the log-sum-exp it keeps
-    anyway; elsewhere the same values from matrix products in fp32.
+    anyway; elsewhere the same values from matrix products in fp32. Grouped K/V heads are
+    repeated for it (torch's kernel reads them in place only in recent versions); the
+    decode step never needs that, its query rows being grouped by K/V head already.
     """
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
             ~mask, float("-inf"))
-    if _FLASH_CPU is not None and q.device.type == "cpu":
-        return _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        return _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if causal:
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1),
