@@ -4,9 +4,10 @@
     python benchmarks/prefill.py --repeats 5 --threads 2
 
 A burst shaped like ``benchmarks/vs_vllm.py``'s, on random token ids: 16 requests, a
-500-token shared prefix and 50 tokens of their own each, pages of 128. The first request is prefilled alone; the other 15
-then find 384 tokens cached (three whole pages) and prefill 166 each together, the first
-116 of which are the same tokens in all 15. That second step is timed:
+500-token shared prefix and 50 tokens of their own each, pages of 128. The first request
+is prefilled alone; the other 15 then find 384 tokens cached (three whole pages) and
+prefill 166 each together, the first 116 of which are the same tokens in all 15. That
+second step is timed:
 
 1. transformers' forward over chapter 04's ``PoolCache`` (every request's cached K/V
    gathered in every layer);
