@@ -315,8 +315,9 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
     On CPU this is torch's flash-attention kernel, which returns the log-sum-exp it keeps
     anyway; elsewhere the same values from matrix products in fp32. Grouped K/V heads are
-    repeated for it (torch's kernel reads them in place only in recent versions); the
-    decode step never needs that, its query rows being grouped by K/V head already.
+    repeated first, so as not to rely on the kernel reading them in place (not checked on
+    every torch this project allows); the decode step never needs that, its query rows
+    being grouped by K/V head already.
     """
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
