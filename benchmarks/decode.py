@@ -31,6 +31,7 @@ import statistics
 import time
 
 import torch
+from _setup import timing_model
 
 from minirt.engine import Engine, Request
 from minirt.model import ATTENTION, load_model
@@ -183,11 +184,7 @@ def main() -> None:
     p.add_argument("--no-choices", action="store_true", help="skip the step-by-step table")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, _ = load_model(dtype=torch.float32)
-    print(f"device {next(model.parameters()).device}, torch threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs")
+    model = timing_model(args.threads)
     if not args.no_grid:
         grid(model, args.batches, args.contexts, args.steps)
     profile_split(model, *args.profile_at, args.steps)

@@ -27,13 +27,12 @@ import argparse
 import os
 import statistics
 import time
-from contextlib import nullcontext
 from unittest import mock
 
 import torch
+from _setup import timing_model
 
 from minirt.engine import Engine, Request
-from minirt.model import load_model
 
 BURST, SHARED, OWN, PAGE = 16, 500, 50, 128
 
@@ -45,13 +44,14 @@ def burst(vocab: int, seed: int) -> list[list[int]]:
             for _ in range(BURST)]
 
 
-def second_step(engine: Engine, prompts: list[list[int]], patches: dict) -> tuple[float, list]:
+def second_step(engine: Engine, prompts: list[list[int]], direct: bool) -> tuple[float, list]:
     """Flush, submit the burst, step once (the first request alone), time the second step
-    (the other 15 prefilled together); returns its seconds and every first token."""
+    (the other 15 prefilled together); returns its seconds and every first token.
+    ``direct``: False runs transformers' forward over the pool instead of ``llama_forward``."""
     engine.flush()
     handles = [engine.submit(Request(prompt=p, max_new_tokens=1, stop_on_eos=False))
                for p in prompts]
-    with mock.patch.multiple("minirt.pool", **patches) if patches else nullcontext():
+    with mock.patch("minirt.pool.is_llama", lambda m: direct):
         engine.step()
         start = time.perf_counter()
         out = engine.step()
@@ -67,27 +67,25 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, _ = load_model(dtype=torch.float32)
-    print(f"device {next(model.parameters()).device}, torch threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs")
-    ways = {
-        "transformers' forward over the pool (gather)": {"is_llama": lambda m: False},
-        "llama_forward, shared prefix read once": {"_common_run": lambda ids, limit: 0},
-        "+ the common run computed once (minirt)": {},
+    model = timing_model(args.threads)
+    ways = {  # name: (llama_forward, the common run computed once)
+        "transformers' forward over the pool (gather)": (False, True),
+        "llama_forward, shared prefix read once": (True, False),
+        "+ the common run computed once (minirt)": (True, True),
     }
-    engines = {name: Engine(model, capacity=16384, page_size=PAGE, token_budget=4096)
-               for name in ways}
+    engines = {}
+    for name, (_, share_runs) in ways.items():
+        engines[name] = Engine(model, capacity=16384, page_size=PAGE, token_budget=4096)
+        engines[name].lifecycle.share_runs = share_runs
     warm = burst(model.config.vocab_size, seed=1)
-    for name, patches in ways.items():
-        second_step(engines[name], warm, patches)
+    for name, (direct, _) in ways.items():
+        second_step(engines[name], warm, direct)
     prompts = burst(model.config.vocab_size, seed=2)
     times: dict[str, list[float]] = {name: [] for name in ways}
     firsts = set()
     for _ in range(args.repeats):
-        for name, patches in ways.items():
-            seconds, tokens = second_step(engines[name], prompts, patches)
+        for name, (direct, _) in ways.items():
+            seconds, tokens = second_step(engines[name], prompts, direct)
             times[name].append(seconds)
             firsts.add(tuple(tokens))
     print(f"\nThe burst's second step: 15 requests x 166 new tokens behind 384 cached "

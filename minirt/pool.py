@@ -468,9 +468,9 @@ class PrefillPlan:
         (``share_runs=False``: no common run, every request computes its own tokens)."""
         b, num_new = len(tables), [x.numel() for x in ids]
         starts = [len(t) - n for t, n in zip(tables, num_new, strict=True)]  # cached lengths
-        shared = _shared_length(tables, min(starts), last=False)
+        shared = _common_prefix([t.slots for t in tables], min(starts))
         group = [r for r in range(b) if starts[r] == shared]
-        common = _common_run([ids[r] for r in group], min(num_new[r] for r in group) - 1) \
+        common = _common_prefix([ids[r] for r in group], min(num_new[r] for r in group) - 1) \
             if share_runs and len(group) > 1 else 0
         if not common:
             group = []
@@ -552,16 +552,6 @@ def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
 
     return llama_forward(model, plan.input_ids.view(1, -1).to(device),
                          plan.positions.view(1, -1).to(device), attend, plan.last.to(device))
-
-
-def _common_run(ids: Sequence[torch.Tensor], limit: int) -> int:
-    """How many leading tokens all ``ids`` have in common, at most ``limit``."""
-    n = max(limit, 0)
-    first = ids[0][:n]
-    same = torch.ones(n, dtype=torch.bool)
-    for x in ids[1:]:
-        same &= x[:n] == first
-    return n if bool(same.all()) else int((~same).nonzero()[0])
 
 
 # ---------------------------------------------------------------------------
@@ -732,15 +722,18 @@ class WorkingKV:
         return out
 
 
-def _shared_length(tables: Sequence[PageTable], limit: int | None = None,
-                   last: bool = True) -> int:
-    """How many leading slots all ``tables`` have in common, up to ``limit``; with ``last``,
-    not counting each one's last position (its new token)."""
-    n = min(len(t) for t in tables) - int(last)
-    if limit is not None:
-        n = min(n, limit)
-    first = tables[0].slots[:n]
+def _shared_length(tables: Sequence[PageTable], limit: int | None = None) -> int:
+    """How many leading slots all ``tables`` have in common, not counting each one's last
+    position (its new token), up to ``limit``."""
+    n = min(len(t) for t in tables) - 1
+    return _common_prefix([t.slots for t in tables], n if limit is None else min(n, limit))
+
+
+def _common_prefix(seqs: Sequence[torch.Tensor], limit: int) -> int:
+    """How many leading entries all ``seqs`` (1-D tensors) have in common, at most ``limit``."""
+    n = max(limit, 0)
+    first = seqs[0][:n]
     same = torch.ones(n, dtype=torch.bool)
-    for t in tables[1:]:
-        same &= t.slots[:n] == first
+    for x in seqs[1:]:
+        same &= x[:n] == first
     return n if bool(same.all()) else int((~same).nonzero()[0])
