@@ -1,7 +1,7 @@
 # minirt: two commands do everything.
 #   make book   build the environment, fetch the model once, execute every chapter
 #   make test   build the environment, fetch the model once, run every check (BOOK.md section 7)
-# Other targets: lab, html, test-browser, test-gpu, exercises, model, env, clean,
+# Other targets: lab, html, test-browser, test-gpu, exercises, model, env, clean, check-citations,
 #   peer-vllm (optional: vLLM side by side), router-demo and test-router (SGLang's router).
 
 PYTHON      ?= python3
@@ -22,7 +22,7 @@ SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))
 BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
 .PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean \
-        html test-browser peer-vllm router-demo test-router
+        html test-browser peer-vllm router-demo test-router check-citations
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,10 @@ test-notebooks: model
 test: model lint
 	$(BIN)/python tools/make_exercises.py --check
 	TQDM_DISABLE=1 $(BIN)/python -m pytest -q tests $(NBVAL) $(CHAPTERS) $(SOLUTIONS)
+
+# Every SGLang / vLLM / router citation resolved against the pinned releases (downloads them once).
+check-citations: env
+	$(BIN)/python tools/check_citations.py
 
 # The book as a static website in _build/html, from the stored outputs (nothing re-runs).
 html: env
