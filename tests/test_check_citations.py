@@ -79,10 +79,13 @@ def test_true_citations_resolve(cache):
     ("sglang 0.5.23 `srt/managers/schedule_policy.py: _compute_prefix_matches`",
      "missing symbol"),  # a method is cited with its class
     ("sglang-router 0.3.2 `src/policies/tree.rs: Tree::evict_tenant`", "missing symbol"),
+    ("sglang 0.5.23 `srt/managers/schedule_policy.py:\n  SchedulePolicy._calc_weight`",
+     "missing symbol"),  # a code span wrapped onto the next line is still one citation
     ("sglang 0.5.23 `srt/managers/schedule_policies.py`", "missing file"),
     ("vllm 0.31.0 `v1/core/kv_cache_utils.py: hash_block_tokens`", "wrong version"),
     ("SGLang's `python/sglang/srt/managers/schedule_policy.py`", "loose"),
     ("in `radix_cache.py` SGLang splits the node", "loose"),
+    ("SGLang's `srt/mem_cache/\nradix_cache.py` splits the node", "loose"),
 ])
 def test_a_planted_wrong_citation_fails(cache, text, status):
     assert _statuses(text, cache) == [status]

@@ -61,10 +61,10 @@ PINS = {
 }
 
 # package version `path[: Sym, Sym.member]`
-CITATION = re.compile(
-    r"(?<![\w/-])(sglang-router|sglang|vllm)\s+(\d+\.\d+\.\d+)\s+`([^`\n]+)`"
-)
-CODE_SPAN = re.compile(r"`([^`\n]+)`")
+# A code span may wrap across lines (Markdown joins them), never across a blank line.
+_SPAN = r"`((?:[^`\n]|\n(?![ \t]*\n)){1,400})`"
+CITATION = re.compile(r"(?<![\w/-])(sglang-router|sglang|vllm)\s+(\d+\.\d+\.\d+)\s+" + _SPAN)
+CODE_SPAN = re.compile(_SPAN)
 SOURCE_PATH = re.compile(r"[\w./-]*\w\.(?:py|rs)\b")
 # Paths that are not SGLang's, vLLM's or the router's, and need no pin.
 OTHER_PROJECTS = ("src/transformers/", "transformers/", "python/minisgl/", "minisgl/")
@@ -119,6 +119,7 @@ def find_citations(where: str, text: str, local: set[str]) -> Iterator[Citation 
     cited_spans = set()
     for m in CITATION.finditer(text):
         package, version, body = m.groups()
+        body = " ".join(body.split())
         cited_spans.add(m.start(3))
         path, _, syms = body.partition(":")
         symbols = tuple(s.strip() for s in syms.split(",") if s.strip())
