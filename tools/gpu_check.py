@@ -3,6 +3,8 @@ without the cache, the host tier (pinned memory), routing, and the speed ratios.
 
     python tools/gpu_check.py     # on a machine with CUDA: prints tables; exit 1 on a mismatch
     python tools/gpu_check.py --skip-real   # tiny_model and the host-tier copies only (no weights)
+    python tools/gpu_check.py --load-back-only   # load-back vs recompute on the real model
+    python tools/gpu_check.py --real-only        # the real model's checks, without load-back
 
 Nothing here is CUDA-specific code: the runtime picks its device at run time
 (``minirt.model.default_device``), and this script only runs the book's workloads there.
@@ -150,7 +152,19 @@ def tiny_checks(device: torch.device) -> None:
             check(eng.host_tier.host_pool.pinned, f"host tier {policy}: host pool is pinned")
 
 
-def real_checks(device: torch.device, dtype: torch.dtype | None) -> None:
+def load_back_table(model) -> None:
+    """``measure_load_back`` at 256, 1,024 and 2,048 tokens: per token, and the ratio."""
+    name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"\n  load-back vs recompute per token, {name} (medians of 5; measured, not required)")
+    for n in (256, 1024, 2048):
+        c = measure_load_back(model, n)
+        print(f"    {n:5d} tokens: load {c.load_per_token * 1e6:7.2f} us/token, recompute "
+              f"{c.recompute_per_token * 1e6:7.2f} us/token, ratio {c.ratio:6.1f}x; write "
+              f"{c.write_s / n * 1e6:6.2f} us/token")
+
+
+def real_checks(device: torch.device, dtype: torch.dtype | None,
+                load_back: bool = True) -> None:
     """The book's equalities hold in fp32 (the chapters that assert them load the model in
     fp32 on every device); in bf16 they are measured: its rounding differs between a full
     prefill and a cached one by more than the gap between two near-tied logits."""
@@ -185,12 +199,8 @@ def real_checks(device: torch.device, dtype: torch.dtype | None) -> None:
               f"host tier {policy}, device pool 512, served twice: {same}/"
               f"{2 * len(off.results)} equal; loaded {loaded}, computed "
               f"{runs[0].totals().computed_tokens} + {runs[1].totals().computed_tokens}", exact)
-    print("\n  load-back vs recompute per token (medians of 5; measured, not required)")
-    for n in (256, 1024, 2048):
-        c = measure_load_back(model, n)
-        print(f"    {n:5d} tokens: load {c.load_per_token * 1e6:7.2f} us/token, recompute "
-              f"{c.recompute_per_token * 1e6:7.2f} us/token, ratio {c.ratio:6.1f}x; write "
-              f"{c.write_s / n * 1e6:6.2f} us/token")
+    if load_back:
+        load_back_table(model)
     chats = tenant_chats(tok, tenants=4, conversations=12, turns=2)
     outs = {}
     for policy in ("round_robin", "cache_aware"):
@@ -228,7 +238,13 @@ def burst(model, tok) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--skip-real", action="store_true", help="tiny_model only")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--skip-real", action="store_true",
+                      help="tiny_model and the host-tier copies only (no weights)")
+    what.add_argument("--load-back-only", action="store_true",
+                      help="load-back vs recompute on the real model only")
+    what.add_argument("--real-only", action="store_true",
+                      help="the real model's checks only, without the load-back table")
     args = p.parse_args()
     device = default_device()
     print(f"device {device}"
@@ -237,12 +253,16 @@ def main() -> None:
     import transformers
 
     print(f"transformers {transformers.__version__}")
-    tiny_checks(device)
-    copy_checks(device)
-    if not args.skip_real:
-        if device.type == "cuda":
-            real_checks(device, torch.float32)
-        real_checks(device, None)  # the default dtype: bf16 on CUDA
+    if not (args.load_back_only or args.real_only):
+        tiny_checks(device)
+        copy_checks(device)
+    dtypes = ([torch.float32] if device.type == "cuda" else []) + [None]  # None: bf16 on CUDA
+    if args.load_back_only:
+        for dtype in dtypes:
+            load_back_table(load_model(device=device, dtype=dtype)[0])
+    elif not args.skip_real:
+        for dtype in dtypes:
+            real_checks(device, dtype, load_back=not args.real_only)
     print(f"\n{len(FAILURES)} mismatches" + "".join(f"\n  - {f}" for f in FAILURES))
     sys.exit(1 if FAILURES else 0)
 
