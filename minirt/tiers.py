@@ -1,9 +1,9 @@
 """A host-memory tier under the device KV pool: evicted prefixes kept in host memory, loaded back.
 
-SGLang's HiCache (``python/sglang/srt/mem_cache/hiradix_cache.py``: ``HiRadixCache``,
-``write_backup``, ``evict``, ``evict_host``, ``load_back``, read in sglang 0.5.2; design
-doc ``docs/advanced_features/hicache_design.md``) adds a second, larger pool in host
-memory. ``HiRadixCache`` here is that idea at the book's scale:
+SGLang's HiCache (sglang 0.5.23
+`srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.evict_host, UnifiedRadixCache.load_back`;
+older releases had a ``HiRadixCache`` class of its own) adds a second, larger pool
+in host memory. ``HiRadixCache`` here is that idea at the book's scale:
 
 * ``HostPool``: K/V storage for the device pool's slots, in CPU memory (pinned when the
   device is a GPU, as SGLang's host pool is), one slot's layers side by side.
@@ -26,8 +26,9 @@ memory. ``HiRadixCache`` here is that idea at the book's scale:
 straight to or from the pinned host storage; a write to the host is complete when it
 returns. SGLang runs its copies on streams of their own (sglang 0.5.23
 `srt/mem_cache/l2_transfer.py: L2TransferEngine`) and lets the forward pass wait for a
-load layer by layer (`srt/managers/cache_controller.py: LayerLoadingEvent`), so copies
-hide behind compute; minirt leaves that out.
+load layer by layer (sglang 0.5.23
+`srt/managers/cache_controller.py: LayerLoadingEvent`), so copies hide behind compute;
+minirt leaves that out.
 
 ``measure_load_back`` times loading K/V back from the host against recomputing it by
 prefill, per token, on a real model: that ratio is the reason the tier exists.
