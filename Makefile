@@ -1,7 +1,8 @@
 # minirt: two commands do everything.
 #   make book   build the environment, fetch the model once, execute every chapter
 #   make test   build the environment, fetch the model once, run every check (BOOK.md section 7)
-# Other targets: lab, html, test-browser, test-gpu, exercises, model, env, clean, check-citations,
+# Other targets: lab, html, test-browser, test-gpu, gpu-prep, gpu-book-cpu, exercises, model,
+#   env, clean, check-citations,
 #   peer-vllm (optional: vLLM side by side), router-demo and test-router (SGLang's router).
 
 PYTHON      ?= python3
@@ -22,7 +23,7 @@ SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))
 BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
 .PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean \
-        html test-browser peer-vllm router-demo test-router check-citations
+        html test-browser peer-vllm router-demo test-router check-citations gpu-prep gpu-book-cpu
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +82,19 @@ test-browser: html
 test-gpu: model
 	MINIRT_DEVICE=cuda TQDM_DISABLE=1 $(BIN)/python tools/gpu_check.py
 	MINIRT_DEVICE=cuda TQDM_DISABLE=1 $(BIN)/python -m pytest -q tests --nbval-lax $(CHAPTERS) $(SOLUTIONS)
+
+# For a lent GPU machine without network (tools/gpu_book.sh): download here what it lacks
+# into .whl/, .gl/ and .gpu/ (git ignores them), and print each device call's carry size.
+gpu-prep: model
+	PYTHON=$(BIN)/python tools/gpu_prep.sh
+
+# tools/gpu_book.sh's steps rehearsed on this machine's CPU, in this venv, on the notebooks
+# in GPU_BOOK_NOTEBOOKS (default: two; every notebook takes long on a small CPU).
+GPU_BOOK_NOTEBOOKS ?= chapters/00_introduction.ipynb chapters/02_radix_tree.ipynb
+gpu-book-cpu: gpu-prep
+	GPU_BOOK_PYTHON=$(BIN)/python GPU_BOOK_DEVICE=cpu GPU_BOOK_INSTALL=0 GPU_BOOK_BUDGET=3000 \
+	    GPU_BOOK_SKIP='real model' MINIRT_CACHE=/tmp/minirt-cache-rehearsal \
+	    GPU_BOOK_NOTEBOOKS="$(GPU_BOOK_NOTEBOOKS)" tools/gpu_book.sh run
 
 # Optional, not part of `make test` (about 3 GB and a few minutes to install): vLLM's CPU
 # build in its own venv (its transformers pin conflicts with ours), the same torch CPU build

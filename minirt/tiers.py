@@ -1,12 +1,12 @@
 """A host-memory tier under the device KV pool: evicted prefixes kept in host memory, loaded back.
 
-SGLang's HiCache (``python/sglang/srt/mem_cache/hiradix_cache.py``: ``HiRadixCache``,
-``write_backup``, ``evict``, ``evict_host``, ``load_back``, read in sglang 0.5.2; design
-doc ``docs/advanced_features/hicache_design.md``) adds a second, larger pool in host
-memory. ``HiRadixCache`` here is that idea at the book's scale:
+SGLang's HiCache (sglang 0.5.23
+`srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.evict_host, UnifiedRadixCache.load_back`;
+older releases had a ``HiRadixCache`` class of its own) adds a second, larger pool
+in host memory. ``HiRadixCache`` here is that idea at the book's scale:
 
-* ``HostPool``: K/V storage with the device pool's per-token layout, in CPU memory
-  (pinned when the device is a GPU, as SGLang's host pool is).
+* ``HostPool``: K/V storage for the device pool's slots, in CPU memory (pinned when the
+  device is a GPU, as SGLang's host pool is), one slot's layers side by side.
 * The host pool is indexed by a second ``RadixCache`` (``HiRadixCache.host``) over host
   slots, with its own LRU eviction of host leaves. Both trees hold whole prefixes, so a
   token path is on the device, on the host, or on both; ``residency()`` merges the two
@@ -22,8 +22,13 @@ memory. ``HiRadixCache`` here is that idea at the book's scale:
   engine matches without loading and calls ``load_back`` when it admits the request,
   as SGLang's scheduler calls ``init_load_back``.
 
-Copies here are synchronous; SGLang overlaps them with compute (layer by layer) and
-tracks them with a cache controller, which minirt leaves out.
+``copy_kv`` moves each run of consecutive host slots as one copy of K and one of V,
+straight to or from the pinned host storage; a write to the host is complete when it
+returns. SGLang runs its copies on streams of their own (sglang 0.5.23
+`srt/mem_cache/l2_transfer.py: L2TransferEngine`) and lets the forward pass wait for a
+load layer by layer (sglang 0.5.23
+`srt/managers/cache_controller.py: LayerLoadingEvent`), so copies hide behind compute;
+minirt leaves that out.
 
 ``measure_load_back`` times loading K/V back from the host against recomputing it by
 prefill, per token, on a real model: that ratio is the reason the tier exists.
@@ -63,6 +68,7 @@ __all__ = [
     "check_tier_settings",
     "copy_kv",
     "measure_load_back",
+    "slot_runs",
 ]
 
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
@@ -103,36 +109,127 @@ class HostPool(KVPool):
     """A ``KVPool`` in host memory shaped like a device pool: where evicted K/V waits.
 
     Same layers, heads, head_dim, dtype and page size as the device pool, ``capacity``
-    tokens, its own free list. On a CUDA device the tensors are pinned (page-locked), as
-    an asynchronous engine needs them; ``copy_kv`` gathers rows into a temporary first, so
-    its copies are plain synchronous ones. On CPU it is a second store.
+    tokens, its own free list. The storage ``kv`` is slot-major,
+    ``[2, capacity, layers, kv_heads, head_dim]`` (K then V): one slot's layers lie side by
+    side, so a run of consecutive slots is one contiguous block of K and one of V, each
+    crossing to or from a GPU as one copy. That is SGLang's ``page_first`` host layout
+    (sglang 0.5.23 `srt/mem_cache/pool_host/mha.py: MHATokenToKVPoolHost.init_kv_buffer`);
+    the device pool is layer-major. ``k`` and ``v`` are views of ``kv`` in the device
+    pool's shape, ``[layers, capacity, kv_heads, head_dim]``. On a CUDA device the storage
+    is pinned (page-locked), so those copies are DMA'd straight to and from it,
+    asynchronously; on CPU it is a second store.
     """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
+                 page_size: int = 1, dtype: torch.dtype = torch.float32, *,
+                 pin_memory: bool = False) -> None:
+        super().__init__(num_layers, kv_heads, head_dim, capacity, page_size, dtype=dtype,
+                         device="cpu")
+        self.kv = torch.zeros((2, capacity, num_layers, kv_heads, head_dim), dtype=dtype,
+                              pin_memory=pin_memory)
+        self.k, self.v = self.kv[0].transpose(0, 1), self.kv[1].transpose(0, 1)
 
     @classmethod
     def for_device(cls, pool: KVPool, capacity: int) -> HostPool:
-        """A host pool of ``capacity`` tokens laid out like ``pool``."""
-        host = cls(pool.num_layers, pool.kv_heads, pool.head_dim, capacity, pool.page_size,
-                   dtype=pool.dtype, device="cpu")
-        if pool.device.type == "cuda":
-            host.k, host.v = host.k.pin_memory(), host.v.pin_memory()
-        return host
+        """A host pool of ``capacity`` tokens laid out like ``pool`` (pinned if it is on CUDA)."""
+        return cls(pool.num_layers, pool.kv_heads, pool.head_dim, capacity, pool.page_size,
+                   dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
 
     @property
     def pinned(self) -> bool:
-        """True if the K/V tensors are in page-locked memory."""
-        return self.k.is_pinned()
+        """True if the K/V storage is in page-locked memory."""
+        return self.kv.is_pinned()
 
 
-def copy_kv(src: KVPool, src_slots: torch.Tensor, dst: KVPool, dst_slots: torch.Tensor) -> None:
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``slots`` cut into runs of consecutive slot numbers: ``(offset, first slot, length)``
+    per run, in order (``slots[offset:offset + length]`` is ``first .. first + length - 1``).
+    """
+    s = slots.to("cpu", torch.int64).reshape(-1)
+    if s.numel() == 0:
+        return []
+    starts = [0, *(torch.nonzero(s[1:] - s[:-1] != 1).reshape(-1) + 1).tolist(), s.numel()]
+    firsts = s[starts[:-1]].tolist()
+    return [(a, f, b - a) for a, b, f in zip(starts[:-1], starts[1:], firsts, strict=True)]
+
+
+def copy_kv(src: KVPool, src_slots: torch.Tensor, dst: KVPool, dst_slots: torch.Tensor, *,
+            by_runs: bool | None = None) -> None:
     """Copy every layer's K and V of ``src_slots`` in ``src`` into ``dst_slots`` of ``dst``.
 
-    One gather and one scatter per tensor over all layers at once: what a write to the
-    host or a load back from it costs. Synchronous: an asynchronous copy to the host would
-    let the scatter there read the rows before they arrive.
+    What a write to the host or a load back from it costs. Between a device pool on a GPU
+    and a ``HostPool`` (``by_runs``, the default unless the device is the CPU), each run of
+    consecutive host slots (``slot_runs``) is two copies (K, V) straight to or from the
+    host storage, all layers at once; the device side is gathered into (or scattered from)
+    a temporary in the host's layout on the device, one ``index_select`` (or
+    ``index_copy_``) per tensor. On CUDA the host storage is pinned and the copies are
+    asynchronous, on the current stream:
+
+    * to the host: an event recorded after the copies is waited for before returning, so
+      the host rows are there for whoever reads them next (an unsynchronized read once
+      saw rows that had not arrived);
+    * from the host: nothing waits; the scatter into the device pool, and any later use
+      of it, run after the copies on the same stream.
+
+    When both sides are in CPU memory (``by_runs=False``), and between two device pools,
+    it is one gather and one scatter per tensor. PoolError if the slot lists differ in
+    length (nothing is copied).
     """
-    si, di = src_slots.to(src.device), dst_slots.to(dst.device)
-    for a, b in ((src.k, dst.k), (src.v, dst.v)):
-        b.index_copy_(1, di, a.index_select(1, si).to(dst.device))
+    n = src_slots.numel()
+    if dst_slots.numel() != n:
+        raise PoolError(f"copy_kv: {n} source slots but {dst_slots.numel()} destination slots")
+    if n == 0:
+        return
+    to_host = isinstance(dst, HostPool) and not isinstance(src, HostPool)
+    from_host = isinstance(src, HostPool) and not isinstance(dst, HostPool)
+    if not (to_host or from_host):
+        si, di = src_slots.to(src.device), dst_slots.to(dst.device)
+        for a, b in ((src.k, dst.k), (src.v, dst.v)):
+            b.index_copy_(1, di, a.index_select(1, si).to(dst.device))
+        return
+    device_pool = src if to_host else dst
+    if by_runs is None:
+        by_runs = device_pool.device.type != "cpu"
+    if to_host:
+        _to_host(src, src_slots, dst, dst_slots, by_runs)
+    else:
+        _from_host(src, src_slots, dst, dst_slots, by_runs)
+
+
+def _to_host(src: KVPool, src_slots: torch.Tensor, host: HostPool, host_slots: torch.Tensor,
+             by_runs: bool) -> None:
+    si = src_slots.to(src.device)
+    if not by_runs:
+        hi = host_slots.to("cpu")
+        for side, a in enumerate((src.k, src.v)):
+            host.kv[side].index_copy_(0, hi, a.index_select(1, si).transpose(0, 1).to("cpu"))
+        return
+    rows = torch.stack((src.k.index_select(1, si), src.v.index_select(1, si)))
+    rows = rows.transpose(1, 2).contiguous()  # [2, n, layers, heads, dim]: the host's layout
+    for offset, first, length in slot_runs(host_slots):
+        for side in (0, 1):
+            host.kv[side, first:first + length].copy_(rows[side, offset:offset + length],
+                                                      non_blocking=host.pinned)
+    if rows.is_cuda:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(rows.device))
+        done.synchronize()
+
+
+def _from_host(host: HostPool, host_slots: torch.Tensor, dst: KVPool, dst_slots: torch.Tensor,
+               by_runs: bool) -> None:
+    if by_runs:
+        rows = torch.empty((2, host_slots.numel(), *host.kv.shape[2:]), dtype=host.dtype,
+                           device=dst.device)
+        for offset, first, length in slot_runs(host_slots):
+            for side in (0, 1):
+                rows[side, offset:offset + length].copy_(host.kv[side, first:first + length],
+                                                         non_blocking=host.pinned)
+    else:
+        rows = host.kv.index_select(1, host_slots.to("cpu")).to(dst.device)
+    di = dst_slots.to(dst.device)
+    dst.k.index_copy_(1, di, rows[0].transpose(0, 1))
+    dst.v.index_copy_(1, di, rows[1].transpose(0, 1))
 
 
 @dataclass(eq=False)

@@ -29,6 +29,7 @@ from minirt.tiers import (
     check_tier_settings,
     copy_kv,
     measure_load_back,
+    slot_runs,
 )
 from minirt.viz import draw_tier_tree, tier_tree_text
 
@@ -388,20 +389,92 @@ def test_host_pool_layout_and_copies():
     assert torch.equal(host.v[:, 10:12], pool.v[:, 2:4])
 
 
+def test_host_pool_is_slot_major_and_its_views_share_it():
+    """``kv[side, s]`` holds slot s's K (side 0) or V (side 1) of every layer, contiguous;
+    ``k`` and ``v`` are views of it in the device pool's shape."""
+    host = HostPool(3, 2, 4, 8, 2)
+    assert host.kv.shape == (2, 8, 3, 2, 4) and host.k.shape == (3, 8, 2, 4)
+    assert host.kv[0, 5].is_contiguous() and host.kv[1, 2:6].is_contiguous()
+    host.k[1, 5] = 7.0
+    host.v[2, 3] = -2.0
+    assert host.kv[0, 5, 1].eq(7.0).all() and host.kv[1, 3, 2].eq(-2.0).all()
+    assert host.kv.abs().sum() == 7.0 * 8 + 2.0 * 8  # nothing else written
+
+
+def test_slot_runs_cut_at_every_gap():
+    assert slot_runs(torch.tensor([], dtype=torch.int64)) == []
+    assert slot_runs(torch.tensor([4])) == [(0, 4, 1)]
+    assert slot_runs(torch.tensor([3, 4, 5, 9, 10, 2, 1, 2])) == [
+        (0, 3, 3), (3, 9, 2), (5, 2, 1), (6, 1, 2)]
+
+
+@pytest.mark.parametrize("by_runs", [True, False])
+@pytest.mark.parametrize("host_slots", [
+    list(range(4, 12)),                      # one run
+    [9, 10, 11, 0, 1, 5, 6, 7],              # three runs, out of order
+    [15, 13, 11, 9, 7, 5, 3, 1],             # no two consecutive
+])
+def test_copy_kv_both_ways_through_runs_of_host_slots(host_slots, by_runs):
+    """Device -> host -> device, by runs of host slots (a GPU's way) or by one gather and
+    scatter (the CPU's), moves each slot's K and V of every layer to the right place, and
+    nothing else."""
+    pool = KVPool(3, 2, 5, 24, 1)
+    host = HostPool.for_device(pool, 16)
+    pool.k.normal_()
+    pool.v.normal_()
+    src = torch.tensor([0, 7, 3, 4, 5, 20, 21, 2])
+    hs = torch.tensor(host_slots)
+    copy_kv(pool, src, host, hs, by_runs=by_runs)
+    assert torch.equal(host.k[:, hs], pool.k[:, src])
+    assert torch.equal(host.v[:, hs], pool.v[:, src])
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[hs] = False
+    assert host.kv[:, untouched].eq(0).all()
+    dst = torch.tensor([8, 9, 10, 11, 16, 17, 18, 12])
+    before = pool.k.clone()
+    copy_kv(host, hs, pool, dst, by_runs=by_runs)
+    assert torch.equal(pool.k[:, dst], before[:, src])
+    assert torch.equal(pool.v[:, dst], pool.v[:, src])
+    others = torch.ones(24, dtype=torch.bool)
+    others[dst] = False
+    assert torch.equal(pool.k[:, others], before[:, others])
+
+
+def test_copy_kv_refuses_slot_lists_of_different_lengths():
+    pool = KVPool(1, 1, 2, 8, 1)
+    host = HostPool.for_device(pool, 8)
+    pool.k.normal_()
+    with pytest.raises(PoolError, match="3 source slots but 2"):
+        copy_kv(pool, torch.tensor([0, 1, 2]), host, torch.tensor([0, 1]))
+    assert host.kv.eq(0).all()
+    copy_kv(pool, torch.tensor([], dtype=torch.int64), host, torch.tensor([], dtype=torch.int64))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make test-gpu)")
 def test_copies_through_a_pinned_host_pool_are_exact_on_cuda():
     """Device -> pinned host -> device returns the same K/V, however large the copy (an
-    asynchronous copy to the host once let the host-side scatter read rows too early)."""
+    asynchronous copy to the host once let the host-side scatter read rows too early), and
+    the host rows are there for a CPU read the moment a write returns."""
     pool = KVPool(4, 2, 64, 8192, 1, device="cuda")
     host = HostPool.for_device(pool, 8192)
-    assert host.pinned
+    assert host.pinned and host.kv.is_pinned()
     pool.k.normal_()
     pool.v.normal_()
     src, dst = torch.arange(4096), torch.arange(4096, 8192)
     copy_kv(pool, src, host, src)
+    assert torch.equal(host.k[:, :4096], pool.k[:, :4096].cpu())  # read on the CPU at once
     copy_kv(host, src, pool, dst)
     assert torch.equal(pool.k[:, 4096:], pool.k[:, :4096])
     assert torch.equal(pool.v[:, 4096:], pool.v[:, :4096])
+    # Many short runs, reversed, with the device busy before each copy.
+    hs = torch.arange(8190, 0, -2)[:2048]
+    big = torch.randn(4096, 4096, device="cuda")
+    (big @ big).sum()
+    copy_kv(pool, src[:2048], host, hs)
+    assert torch.equal(host.v[:, hs], pool.v[:, :2048].cpu())
+    (big @ big).sum()
+    copy_kv(host, hs, pool, dst[:2048])
+    assert torch.equal(pool.v[:, 4096:6144], pool.v[:, :2048])
 
 
 def test_measure_load_back_on_tiny_model():

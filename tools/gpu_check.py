@@ -2,6 +2,9 @@
 without the cache, the host tier (pinned memory), routing, and the speed ratios.
 
     python tools/gpu_check.py     # on a machine with CUDA: prints tables; exit 1 on a mismatch
+    python tools/gpu_check.py --skip-real   # tiny_model and the host-tier copies only (no weights)
+    python tools/gpu_check.py --load-back-only   # load-back vs recompute on the real model
+    python tools/gpu_check.py --real-only        # the real model's checks, without load-back
 
 Nothing here is CUDA-specific code: the runtime picks its device at run time
 (``minirt.model.default_device``), and this script only runs the book's workloads there.
@@ -18,8 +21,9 @@ import torch
 
 from minirt.engine import Engine, Request, chat_script, serve_chat
 from minirt.model import default_device, load_model, tiny_model
+from minirt.pool import KVPool
 from minirt.router import make_replicas, make_router, replay_replicas, tenant_chats
-from minirt.tiers import WRITE_POLICIES, measure_load_back
+from minirt.tiers import WRITE_POLICIES, HostPool, copy_kv, measure_load_back
 
 FAILURES: list[str] = []
 
@@ -44,6 +48,79 @@ def first_difference(a: list[int], b: list[int]) -> int:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def median_s(fn, repeats: int = 7) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up, synchronized."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_checks(device: torch.device, layers: int = 30, kv_heads: int = 3,
+                head_dim: int = 64) -> None:
+    """The host tier's copies in a pool of the default model's shape (no weights needed):
+    write (device -> host) and load-back (host -> device) through ``copy_kv``, with the
+    host slots in one run and scattered (every other slot), against one plain copy of the
+    same bytes from pinned memory (the bound) and the copy through a pageable temporary
+    that ``copy_kv`` used before (gather on the host, then ``.to(device)``). GB/s of K/V;
+    every load-back checked exact."""
+    print(f"\n## host-tier copies on {device}: pool of {layers} layers x {kv_heads} K/V heads x "
+          f"{head_dim} dims (medians of 7)")
+    print("   dtype  tokens     MB | write GB/s | load GB/s | load, scattered | "
+          "pageable load | pinned bound")
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = KVPool(layers, kv_heads, head_dim, 4096, 1, dtype=dtype, device=device)
+        pool.k.normal_()
+        pool.v.normal_()
+        host = HostPool.for_device(pool, 4096)
+        for n in (256, 1024, 2048):
+            copy_row(pool, host, n)
+
+
+def copy_row(pool: KVPool, host: HostPool, n: int) -> None:
+    """One row of ``copy_checks``: ``n`` tokens from device slots 0.. to host slots and back
+    into device slots 2048.."""
+    device, pinned = pool.device, host.pinned
+    src, dst, hs = torch.arange(n), torch.arange(2048, 2048 + n), torch.arange(n)
+    scattered = torch.arange(0, 2 * n, 2)
+    size = n * pool.bytes_per_token
+
+    def loaded_equal() -> bool:
+        return (torch.equal(pool.k[:, 2048:2048 + n], pool.k[:, :n])
+                and torch.equal(pool.v[:, 2048:2048 + n], pool.v[:, :n]))
+
+    write = median_s(lambda: copy_kv(pool, src, host, hs))
+    load = median_s(lambda: copy_kv(host, hs, pool, dst))
+    ok = loaded_equal()
+    copy_kv(pool, src, host, scattered)
+    pool.k[:, 2048:].zero_()
+    load_scattered = median_s(lambda: copy_kv(host, scattered, pool, dst))
+    ok = ok and loaded_equal()
+    # Before: a layer-major host pool, gathered on the host into a pageable temporary.
+    old_k, old_v = (torch.empty((pool.num_layers, n, pool.kv_heads, pool.head_dim),
+                                dtype=pool.dtype, pin_memory=pinned) for _ in range(2))
+    di = dst.to(device)
+
+    def pageable() -> None:
+        for a, b in ((old_k, pool.k), (old_v, pool.v)):
+            b.index_copy_(1, di, a.index_select(1, hs).to(device))
+
+    flat = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+    flat_dev = torch.empty(size, dtype=torch.uint8, device=device)
+    bound = median_s(lambda: flat_dev.copy_(flat, non_blocking=True))
+    old = median_s(pageable)
+    gbs = [size / t / 1e9 for t in (write, load, load_scattered, old, bound)]
+    name = str(pool.dtype).removeprefix("torch.")
+    print(f"  {name:>8s} {n:6d} {size / 1e6:6.1f} | {gbs[0]:10.1f} | {gbs[1]:9.1f} | "
+          f"{gbs[2]:15.1f} | {gbs[3]:13.1f} | {gbs[4]:12.1f}")
+    check(ok, f"{name} {n} tokens: K/V loaded back (one run, scattered) equals what was written")
 
 
 def tiny_checks(device: torch.device) -> None:
@@ -75,7 +152,19 @@ def tiny_checks(device: torch.device) -> None:
             check(eng.host_tier.host_pool.pinned, f"host tier {policy}: host pool is pinned")
 
 
-def real_checks(device: torch.device, dtype: torch.dtype | None) -> None:
+def load_back_table(model) -> None:
+    """``measure_load_back`` at 256, 1,024 and 2,048 tokens: per token, and the ratio."""
+    name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"\n  load-back vs recompute per token, {name} (medians of 5; measured, not required)")
+    for n in (256, 1024, 2048):
+        c = measure_load_back(model, n)
+        print(f"    {n:5d} tokens: load {c.load_per_token * 1e6:7.2f} us/token, recompute "
+              f"{c.recompute_per_token * 1e6:7.2f} us/token, ratio {c.ratio:6.1f}x; write "
+              f"{c.write_s / n * 1e6:6.2f} us/token")
+
+
+def real_checks(device: torch.device, dtype: torch.dtype | None,
+                load_back: bool = True) -> None:
     """The book's equalities hold in fp32 (the chapters that assert them load the model in
     fp32 on every device); in bf16 they are measured: its rounding differs between a full
     prefill and a cached one by more than the gap between two near-tied logits."""
@@ -110,11 +199,8 @@ def real_checks(device: torch.device, dtype: torch.dtype | None) -> None:
               f"host tier {policy}, device pool 512, served twice: {same}/"
               f"{2 * len(off.results)} equal; loaded {loaded}, computed "
               f"{runs[0].totals().computed_tokens} + {runs[1].totals().computed_tokens}", exact)
-    print("\n  load-back vs recompute per token (medians of 5; measured, not required)")
-    for n in (256, 1024, 2048):
-        c = measure_load_back(model, n)
-        print(f"    {n:5d} tokens: load {c.load_per_token * 1e6:7.2f} us/token, recompute "
-              f"{c.recompute_per_token * 1e6:7.2f} us/token, ratio {c.ratio:6.1f}x")
+    if load_back:
+        load_back_table(model)
     chats = tenant_chats(tok, tenants=4, conversations=12, turns=2)
     outs = {}
     for policy in ("round_robin", "cache_aware"):
@@ -152,7 +238,13 @@ def burst(model, tok) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--skip-real", action="store_true", help="tiny_model only")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--skip-real", action="store_true",
+                      help="tiny_model and the host-tier copies only (no weights)")
+    what.add_argument("--load-back-only", action="store_true",
+                      help="load-back vs recompute on the real model only")
+    what.add_argument("--real-only", action="store_true",
+                      help="the real model's checks only, without the load-back table")
     args = p.parse_args()
     device = default_device()
     print(f"device {device}"
@@ -161,11 +253,16 @@ def main() -> None:
     import transformers
 
     print(f"transformers {transformers.__version__}")
-    tiny_checks(device)
-    if not args.skip_real:
-        if device.type == "cuda":
-            real_checks(device, torch.float32)
-        real_checks(device, None)  # the default dtype: bf16 on CUDA
+    if not (args.load_back_only or args.real_only):
+        tiny_checks(device)
+        copy_checks(device)
+    dtypes = ([torch.float32] if device.type == "cuda" else []) + [None]  # None: bf16 on CUDA
+    if args.load_back_only:
+        for dtype in dtypes:
+            load_back_table(load_model(device=device, dtype=dtype)[0])
+    elif not args.skip_real:
+        for dtype in dtypes:
+            real_checks(device, dtype, load_back=not args.real_only)
     print(f"\n{len(FAILURES)} mismatches" + "".join(f"\n  - {f}" for f in FAILURES))
     sys.exit(1 if FAILURES else 0)
 
