@@ -15,9 +15,9 @@ everything submitted so far, the way mini-sglang's scheduler loop does:
    and insert the prompts into the tree so that requests admitted later can share them
    (a request that would share whole pages of a prompt of its own batch waits one step
    for them; a shorter run of new tokens that several begin with is computed once,
-   ``pool.PrefillPlan``);
+   ``forward.PrefillPlan``);
 4. *decode*: one forward pass per step for every running request together, attention
-   reading each request's K/V from a contiguous working copy (``pool.WorkingKV``);
+   reading each request's K/V from a contiguous working copy (``forward.WorkingKV``);
 5. *finish*: insert prompt + output, unlock, free the tail that is not a whole page.
 
 ``Engine.generate(requests)`` submits a list of requests (all arriving now) and steps
