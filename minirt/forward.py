@@ -19,15 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from .errors import PoolError
+from .errors import ModelError, PoolError
 from .model import _GATE_UP, _QKV, _projections
 from .pool import KVPool, PagedBatch, PageTable, PoolCache, as_index_tensor
 
-__all__ = ["PrefillPlan", "WorkingKV", "attention_lse", "forward_paged", "is_llama",
-           "llama_forward", "shared_prefix_attention"]
+__all__ = ["CHUNK", "MIN_ROWS", "PrefillPlan", "WorkingKV", "aligned_attention", "attention_lse",
+           "forward_paged", "is_llama", "llama_forward", "shared_prefix_attention"]
 
 # ---------------------------------------------------------------------------
 # A Llama forward without transformers' cache object, mask or per-layer dispatch.
@@ -43,7 +44,8 @@ def is_llama(model) -> bool:
 
 
 def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  attend, last: torch.Tensor | None = None) -> torch.Tensor:
+                  attend, last: torch.Tensor | None = None,
+                  deterministic: bool = False) -> torch.Tensor:
     """A Llama's next-token logits at the last column of ``input_ids`` ``[b, t]``:
     ``[b, vocab]`` (``last``: at these flat indices into ``b * t`` instead).
 
@@ -55,20 +57,54 @@ def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
     No cache object, no mask built for the caller: the caller knows its batch's shape.
     Each layer is a handful of tensor operations (``_rms_norm``, ``_rope``, residuals added
     in place), and the output head runs on the positions asked for only.
+
+    ``deterministic``: every matrix product gets at least ``MIN_ROWS`` rows (``_rows``), so
+    a row's result does not depend on how many rows the step has (the caller's ``attend``
+    must be row-invariant too: ``aligned_attention``).
     """
+    def run(fn, x):
+        return _rows(fn, x) if deterministic else fn(x)
+
     inner = model.model
     h = inner.embed_tokens(input_ids)
     cos, sin = _rope_tables(*inner.rotary_emb(h, position_ids))
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = (t.view(*h.shape[:-1], -1, attn.head_dim)
-                   for t in _projections(attn, _QKV, _rms_norm(layer.input_layernorm, h)))
+                   for t in run(partial(_projections, attn, _QKV),
+                                _rms_norm(layer.input_layernorm, h)))
         q, k = _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2)
-        h += attn.o_proj(attend(i, q, k, v.transpose(1, 2), attn.scaling))
-        gate, up = _projections(mlp, _GATE_UP, _rms_norm(layer.post_attention_layernorm, h))
-        h += mlp.down_proj(mlp.act_fn(gate).mul_(up))
+        h += run(attn.o_proj, attend(i, q, k, v.transpose(1, 2), attn.scaling))
+        gate, up = run(partial(_projections, mlp, _GATE_UP),
+                       _rms_norm(layer.post_attention_layernorm, h))
+        h += run(mlp.down_proj, mlp.act_fn(gate).mul_(up))
     h = h[:, -1] if last is None else h.view(-1, h.shape[-1]).index_select(0, last)
-    return model.lm_head(_rms_norm(inner.norm, h))
+    return run(model.lm_head, _rms_norm(inner.norm, h))
+
+
+MIN_ROWS = 4
+"""The fewest rows a matrix product gets in deterministic mode. Measured with torch 2.13's
+CPU build (``benchmarks/deterministic.py --probe``): in fp32 a row of ``x @ w.T`` comes out
+of one kernel for 1 row, another for 2-3 rows and a third for 4 or more (every count up to
+1,064 tested gives the 4-row bits); in bf16 one kernel serves every count. Padding to 4
+rows puts every step, decode of one request included, on the same kernel."""
+
+CHUNK = 256
+"""Keys per attention chunk in deterministic mode, chunk ``c`` holding absolute positions
+``c * CHUNK .. (c + 1) * CHUNK - 1`` of every request (SGLang's Triton backend splits
+decode at a fixed 256 keys in its deterministic mode)."""
+
+
+def _rows(fn, x: torch.Tensor):
+    """``fn(x)`` (a row-wise map of ``x`` ``[..., features]``: a Linear, or fused projections
+    returning a list) with ``x`` padded by zero rows to at least ``MIN_ROWS`` rows."""
+    rows = x.numel() // x.shape[-1]
+    if rows >= MIN_ROWS:
+        return fn(x)
+    padded = torch.cat([x.reshape(rows, -1), x.new_zeros(MIN_ROWS - rows, x.shape[-1])])
+    out = fn(padded)
+    cut = (lambda y: y[:rows].reshape(*x.shape[:-1], y.shape[-1]))
+    return cut(out) if isinstance(out, torch.Tensor) else [cut(y) for y in out]
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -162,11 +198,75 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return out, lse
 
 
+def aligned_attention(query: torch.Tensor, positions: torch.Tensor, prefix_k: torch.Tensor,
+                      prefix_v: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scale: float, chunk: int | None = None) -> torch.Tensor:
+    """Deterministic attention of ``query`` ``[b, heads, m, head_dim]`` at absolute
+    ``positions`` ``[b, m]``: ``[b, m, heads, head_dim]``, the same bits for a query
+    whatever else is in the batch, how much of its sequence was cached and where the keys
+    were split between the shared ``prefix_k``, ``prefix_v`` ``[kv_heads, P, head_dim]``
+    (positions ``0..P-1``, ``P`` a multiple of ``chunk``) and each sequence's own ``key``,
+    ``value`` ``[b, kv_heads, n, head_dim]`` (positions ``P..P+n-1``; a query sees the keys
+    at or before its position).
+
+    The keys are cut into chunks of ``chunk`` (default ``CHUNK``) aligned to absolute
+    positions, so a key always falls in the same chunk at the same offset. In fp32: the
+    scores of a chunk are one matrix product whose reduction runs over ``head_dim`` and whose
+    rows (padded to ``MIN_ROWS``) are computed alike; the row's maximum over every visible
+    key (a maximum is exact in any order); ``exp(score - max)`` summed and multiplied into
+    the values within each chunk (fixed length: fixed order); then the chunks' sums added
+    one after the other, left to right. Chunks wholly past a query add exact zeros, so the
+    result does not depend on how many there are.
+    """
+    chunk = chunk or CHUNK
+    b, heads, m, d = query.shape
+    kv_heads, p, n = key.shape[1], prefix_k.shape[1], key.shape[2]
+    if p % chunk:
+        raise PoolError(f"aligned_attention: a shared prefix of {p} keys is not a whole "
+                        f"number of {chunk}-key chunks")
+    group, f32 = heads // kv_heads, torch.float32
+    rows = group * m
+    q = query.reshape(b, kv_heads, rows, d).to(f32)  # head h -> K/V head h // group
+    pos = positions.to(query.device)[:, None, :].expand(b, group, m).reshape(b, 1, rows)
+    if rows < MIN_ROWS:  # extra query rows (zeros, seeing every key), dropped at the end
+        q = torch.cat([q, q.new_zeros(b, kv_heads, MIN_ROWS - rows, d)], 2)
+        pos = torch.cat([pos, pos.new_full((b, 1, MIN_ROWS - rows), p + n)], 2)
+    r = q.shape[2]
+    width = -(-n // chunk) * chunk  # own keys padded to whole chunks, masked
+    ko = torch.nn.functional.pad(key.to(f32), (0, 0, 0, width - n))
+    vo = torch.nn.functional.pad(value.to(f32), (0, 0, 0, width - n))
+    ko = ko.view(b, kv_heads, width // chunk, chunk, d)
+    vo = vo.view(b, kv_heads, width // chunk, chunk, d)
+    own = torch.matmul(q[:, :, None], ko.transpose(-1, -2)) * scale  # [b, kvh, c, r, chunk]
+    key_pos = p + torch.arange(width, device=query.device).view(width // chunk, 1, chunk)
+    own.masked_fill_(key_pos > pos[:, :, None, :, None], float("-inf"))
+    top = own.amax((2, 4))  # [b, kvh, r]
+    if p:
+        pk = prefix_k.to(f32).view(kv_heads, p // chunk, chunk, d)
+        pv = prefix_v.to(f32).view(kv_heads, p // chunk, chunk, d)
+        rows_q = q.transpose(0, 1).reshape(kv_heads, 1, b * r, d)
+        pre = torch.matmul(rows_q, pk.transpose(-1, -2)) * scale  # [kvh, c, b*r, chunk]
+        top = torch.maximum(top, pre.amax((1, 3)).view(kv_heads, b, r).transpose(0, 1))
+        pre = torch.exp(pre - top.transpose(0, 1).reshape(kv_heads, 1, b * r, 1))
+        pre_sum, pre_out = pre.sum(-1), torch.matmul(pre, pv)  # [kvh, c, b*r(, d)]
+        pre_sum = pre_sum.view(kv_heads, -1, b, r).permute(2, 0, 1, 3)
+        pre_out = pre_out.view(kv_heads, -1, b, r, d).permute(2, 0, 1, 3, 4)
+    own = torch.exp(own - top[:, :, None, :, None])
+    own_sum, own_out = own.sum(-1), torch.matmul(own, vo)  # [b, kvh, c, r(, d)]
+    if p:
+        own_sum, own_out = torch.cat([pre_sum, own_sum], 2), torch.cat([pre_out, own_out], 2)
+    total, out = own_sum[:, :, 0], own_out[:, :, 0]
+    for c in range(1, own_sum.shape[2]):  # the chunks in order, left to right
+        total, out = total + own_sum[:, :, c], out + own_out[:, :, c]
+    out = (out / total[..., None])[:, :, :rows]
+    return out.reshape(b, heads, m, d).transpose(1, 2).to(query.dtype)
+
+
 
 @torch.inference_mode()
 def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Sequence,
                   last_only: bool = True, working: WorkingKV | None = None,
-                  share_runs: bool = True) -> list[torch.Tensor]:
+                  share_runs: bool = True, deterministic: bool = False) -> list[torch.Tensor]:
     """Run ``model`` on the new tokens of several requests through the pool; return logits.
 
     ``tables[r]`` already maps every position of request ``r``, including its
@@ -177,6 +277,12 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     this ``WorkingKV`` instead of gathering it from the pool (other models gather).
     ``share_runs``: a Llama's prefill computes a run of new tokens that several requests
     begin with once (``PrefillPlan``); False computes every request's tokens itself.
+
+    ``deterministic``: the switch. A request's logits come out bit for bit the same whatever
+    is cached, whatever else is in the batch and however its tokens are split between
+    prefill and decode steps: a Llama only (ModelError otherwise), every matrix product on at
+    least ``MIN_ROWS`` rows, attention as ``aligned_attention`` in prefill, cached prefill
+    and decode alike. ``share_runs`` is ignored then (each request computes its own tokens).
     """
     if len(tables) != len(new_ids) or not tables:
         raise PoolError(f"forward_paged needs one page table per request, got {len(tables)} "
@@ -186,6 +292,13 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
         if x.numel() == 0 or len(t) < x.numel():
             raise PoolError(f"request {r}: {x.numel()} new tokens but a page table of {len(t)} "
                             "positions (allocate slots for the new tokens first)")
+    if deterministic:
+        if not is_llama(model):
+            raise ModelError("deterministic mode runs transformers' Llama layer by layer; "
+                             f"{type(model).__name__} is not one")
+        if working is not None and last_only and all(x.numel() == 1 for x in ids):
+            return working.forward(model, tables, torch.cat(ids), deterministic=True)
+        return _prefill_aligned(model, pool, tables, ids, last_only)
     if (working is not None and last_only and all(x.numel() == 1 for x in ids)
             and is_llama(model)):
         return working.forward(model, tables, torch.cat(ids))
@@ -344,6 +457,57 @@ def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
                          plan.positions.view(1, -1).to(device), attend, plan.last.to(device))
 
 
+def _prefill_aligned(model, pool: KVPool, tables: Sequence[PageTable],
+                     ids: Sequence[torch.Tensor], last_only: bool) -> list[torch.Tensor]:
+    """``forward_paged`` in deterministic mode: every request's new tokens, one after the
+    other, as the rows of one ``llama_forward``, attention by ``aligned_attention``.
+
+    The keys every request holds in common, cut at a whole chunk, are read once; the rest
+    of each request's keys (its cached part past that, then its new tokens, whose K/V each
+    layer writes first) are gathered from the pool, each starting at the cut.
+    """
+    device, b = pool.device, len(tables)
+    num_new = [x.numel() for x in ids]
+    starts = [len(t) - n for t, n in zip(tables, num_new, strict=True)]
+    cut = _common_prefix([t.slots for t in tables], min(starts)) // CHUNK * CHUNK
+    m, width = max(num_new), max(len(t) for t in tables) - cut
+    where = torch.zeros(b, m, dtype=torch.int64)  # flat row of each request's j-th new token
+    positions = torch.full((b, m), cut + width, dtype=torch.int64)  # padding: sees all
+    own_slots = torch.zeros(b, width, dtype=torch.int64)
+    offsets = torch.tensor([0, *num_new]).cumsum(0)
+    for r, (t, n) in enumerate(zip(tables, num_new, strict=True)):
+        where[r, :n] = torch.arange(offsets[r], offsets[r] + n)
+        positions[r, :n] = torch.arange(starts[r], len(t))
+        own_slots[r, :len(t) - cut] = t.slots[cut:]
+    real = (torch.arange(m) < torch.tensor(num_new)[:, None]).view(-1).nonzero()[:, 0]
+    flat_pos = torch.cat([torch.arange(s, len(t)) for s, t in zip(starts, tables, strict=True)])
+    new_slots = torch.cat([t.slots[s:] for s, t in zip(starts, tables, strict=True)]).to(device)
+    prefix = tables[0].slots[:cut].to(device)
+    own = own_slots.view(-1).to(device)
+    where, positions, real = where.to(device), positions.to(device), real.to(device)
+    kv_heads, head_dim = pool.kv_heads, pool.head_dim
+
+    def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
+        # q [1, heads, rows, head_dim], k and v [1, kv_heads, rows, head_dim]
+        pool.write(layer, new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        pk = pool.k[layer].index_select(0, prefix).transpose(0, 1)
+        pv = pool.v[layer].index_select(0, prefix).transpose(0, 1)
+        ko = pool.k[layer].index_select(0, own).view(b, width, kv_heads, head_dim)
+        vo = pool.v[layer].index_select(0, own).view(b, width, kv_heads, head_dim)
+        qb = q[0].index_select(1, where.view(-1)).view(q.shape[1], b, m, head_dim)
+        out = aligned_attention(qb.transpose(0, 1), positions, pk, pv, ko.transpose(1, 2),
+                                vo.transpose(1, 2), scale)  # [b, m, heads, head_dim]
+        return out.reshape(b * m, -1).index_select(0, real)[None]
+
+    ids_flat = torch.cat(list(ids)).view(1, -1).to(device)
+    rows = offsets[1:] - 1 if last_only else torch.arange(int(offsets[-1]))
+    logits = llama_forward(model, ids_flat, flat_pos.view(1, -1).to(device), attend,
+                           rows.to(device), deterministic=True)
+    if last_only:
+        return list(logits)
+    return [logits[offsets[r]:offsets[r + 1]] for r in range(b)]
+
+
 # ---------------------------------------------------------------------------
 # Decode without gathering: the running batch's K/V kept contiguous between steps.
 
@@ -413,15 +577,17 @@ class WorkingKV:
                     raise PoolError(f"working {name} {what} differs from the pool at its "
                                     "slots: the pool is the source of truth")
 
-    def sync(self, tables: Sequence[PageTable]) -> list[int]:
+    def sync(self, tables: Sequence[PageTable], align: int = 1) -> list[int]:
         """The prefix and rows for exactly ``tables`` (each holding all positions but its
-        last, the new token's); returns, per row, the index in ``tables`` it serves."""
+        last, the new token's); returns, per row, the index in ``tables`` it serves.
+        ``align``: the prefix is a whole number of ``align`` positions (deterministic mode)."""
         index = {id(t): i for i, t in enumerate(tables)}
         keep = [r for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True))
                 if id(t) in index and torch.equal(t.slots[:s.numel()], s)
                 and s.numel() == len(t) - 1]
-        if not keep or _shared_length(tables, self.shared) < self.shared:
-            self._start_prefix(tables)  # no row to keep, or the prefix is not everyone's
+        if (not keep or _shared_length(tables, self.shared) < self.shared
+                or self.shared % align):
+            self._start_prefix(tables, align)  # no row to keep, or the prefix is not everyone's
             keep = []
         if keep != list(range(len(self.tables))):  # compact: kept rows first, in order
             rows = torch.tensor(keep, dtype=torch.int64, device=self.k.device)
@@ -441,9 +607,10 @@ class WorkingKV:
             self.slots.append(t.slots[:-1])
         return [index[id(t)] for t in self.tables]
 
-    def _start_prefix(self, tables: Sequence[PageTable]) -> None:
-        """Drop every row; hold the positions every one of ``tables`` shares as the prefix."""
-        slots = tables[0].slots[:_shared_length(tables)]
+    def _start_prefix(self, tables: Sequence[PageTable], align: int = 1) -> None:
+        """Drop every row; hold the positions every one of ``tables`` shares as the prefix
+        (cut to a multiple of ``align``)."""
+        slots = tables[0].slots[:_shared_length(tables) // align * align]
         self.clear()
         idx = slots.to(self.pool.device)
         self.prefix_slots = slots
@@ -464,8 +631,8 @@ class WorkingKV:
             grown[:, :len(self.tables), :, :used] = old[:, :len(self.tables), :, :used]
             setattr(self, name, grown)
 
-    def forward(self, model, tables: Sequence[PageTable], tokens: torch.Tensor
-                ) -> list[torch.Tensor]:
+    def forward(self, model, tables: Sequence[PageTable], tokens: torch.Tensor,
+                deterministic: bool = False) -> list[torch.Tensor]:
         """One decode step: ``tokens[i]`` is the new token of ``tables[i]`` (its last
         position). Returns each request's next-token logits, in ``tables`` order.
 
@@ -473,7 +640,7 @@ class WorkingKV:
         the end of each row, then attends over the prefix and the rows; after the last layer
         the new K/V of all layers go into their pool slots in one copy.
         """
-        order = self.sync(tables)
+        order = self.sync(tables, CHUNK if deterministic else 1)
         n, device = len(order), self.pool.device
         lengths = self.lengths
         own = lengths - self.shared  # row positions in use before this step
@@ -491,13 +658,19 @@ class WorkingKV:
             keys, values = self.k[layer], self.v[layer]
             keys[rows, :, column] = k[:, :, 0]
             values[rows, :, column] = v[:, :, 0]
-            out = shared_prefix_attention(q, self.prefix_k[layer], self.prefix_v[layer],
-                                          keys[:n, :, :width], values[:n, :, :width], mask,
-                                          scale)
+            if deterministic:
+                out = aligned_attention(q, lengths.view(n, 1), self.prefix_k[layer],
+                                        self.prefix_v[layer], keys[:n, :, :width],
+                                        values[:n, :, :width], scale)
+            else:
+                out = shared_prefix_attention(q, self.prefix_k[layer], self.prefix_v[layer],
+                                              keys[:n, :, :width], values[:n, :, :width],
+                                              mask, scale)
             return out.reshape(n, 1, -1)
 
         logits = llama_forward(model, tokens[order].view(n, 1).to(device),
-                               lengths.view(n, 1).to(device), attend)
+                               lengths.view(n, 1).to(device), attend,
+                               deterministic=deterministic)
         # The new K/V of every layer, now in the rows, into their pool slots in one copy.
         k_new, v_new = self.k[:, rows, :, column], self.v[:, rows, :, column]
         if mask is not None:  # advanced indices around a slice: their dimension comes first

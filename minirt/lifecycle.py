@@ -158,6 +158,7 @@ class Lifecycle:
         self._arrivals = itertools.count()
         self.working = WorkingKV(pool)  # decode reads running K/V here, not gathered
         self.share_runs = True  # prefill computes a run several requests begin with once
+        self.deterministic = False  # same bits whatever is cached or batched (chapter 10)
 
     # ------------------------------------------------------------ requests
     def new_request(self, prompt, max_new_tokens: int = 1, rid: str | None = None,
@@ -304,7 +305,7 @@ class Lifecycle:
             raise RequestError("a request appears twice in one prefill batch")
         logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
                                [r.prompt[r.kv_len:] for r in reqs], last_only=not all_logits,
-                               share_runs=self.share_runs)
+                               share_runs=self.share_runs, deterministic=self.deterministic)
         for req, lg in zip(reqs, logits, strict=True):
             req.kv_len = req.prompt.numel()
             req.output.append(req.next_token(lg if lg.dim() == 1 else lg[-1]))
@@ -347,7 +348,7 @@ class Lifecycle:
             r.page_table.append(r.private[used:used + 1])
         logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
                                [torch.tensor([r.output[-1]]) for r in reqs],
-                               working=self.working)
+                               working=self.working, deterministic=self.deterministic)
         for r, lg, token in zip(reqs, logits, _greedy_picks(reqs, logits), strict=True):
             r.kv_len += 1
             r.output.append(r.next_token(lg) if token is None else token)

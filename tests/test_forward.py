@@ -3,11 +3,27 @@ Llama forward, and the deterministic mode."""
 
 from __future__ import annotations
 
+from functools import cache
+from unittest import mock
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from minirt.forward import attention_lse, is_llama, llama_forward, shared_prefix_attention
+import minirt.forward as forward
+from minirt.errors import ModelError, PoolError
+from minirt.forward import (
+    WorkingKV,
+    aligned_attention,
+    attention_lse,
+    forward_paged,
+    is_llama,
+    llama_forward,
+    shared_prefix_attention,
+)
 from minirt.model import fuse_projections, load_model, tiny_model
+from minirt.pool import KVPool, PageTable
 
 
 @pytest.mark.parametrize("kernel", ["cpu flash", "matrix products"])
@@ -113,3 +129,123 @@ def test_is_llama_only_for_llama_layers():
     assert is_llama(tiny_model(0))
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     assert not is_llama(gpt2)
+
+
+# ---------------------------------------------------------------- the deterministic mode
+
+@cache
+def _tiny(dtype: torch.dtype):
+    model = tiny_model(3).to(dtype)
+    fuse_projections(model)  # as the engine runs it: fp32 GEMMs on prepacked weights
+    return model
+
+
+def _alone(model, prompt: torch.Tensor, deterministic: bool = True) -> torch.Tensor:
+    """One request's uncached pass, by itself, in a fresh pool: its last logits."""
+    pool = KVPool.for_model(model, 256)
+    return forward_paged(model, pool, [PageTable(pool.alloc(prompt.numel()))], [prompt],
+                         deterministic=deterministic)[0]
+
+
+def _served(model, data, deterministic: bool):
+    """Random prompts sharing random prefixes, random cached lengths, one batched prefill
+    and one batched decode step: (prompts, the next tokens, prefill logits, decode logits)."""
+    ids = st.integers(0, 127)
+    bases = [torch.tensor(data.draw(st.lists(ids, min_size=0, max_size=60)), dtype=torch.int64)
+             for _ in range(2)]
+    pool = KVPool.for_model(model, 1024)
+    base_tables = []
+    for base in bases:  # what the tree holds: each base prefix, computed once
+        table = PageTable(pool.alloc(base.numel()))
+        if base.numel():
+            forward_paged(model, pool, [table], [base], deterministic=deterministic)
+        base_tables.append(table)
+    prompts, tables, new = [], [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        which = data.draw(st.integers(0, 1))
+        cut = data.draw(st.integers(0, bases[which].numel()))
+        suffix = torch.tensor(data.draw(st.lists(ids, min_size=1, max_size=20)))
+        prompt = torch.cat([bases[which][:cut], suffix])
+        cached = data.draw(st.integers(0, cut))  # how much of the shared part is reused
+        slots = torch.cat([base_tables[which].slots[:cached], pool.alloc(prompt.numel() - cached)])
+        prompts.append(prompt)
+        tables.append(PageTable(slots))
+        new.append(prompt[cached:])
+    order = data.draw(st.permutations(range(len(prompts))))  # any batch order
+    got = forward_paged(model, pool, [tables[i] for i in order], [new[i] for i in order],
+                        deterministic=deterministic)
+    prefill = [got[order.index(r)] for r in range(len(prompts))]
+    nxt = [int(lg.argmax()) for lg in prefill]
+    for t in tables:
+        t.append(pool.alloc(1))
+    working = WorkingKV(pool)
+    decode = forward_paged(model, pool, tables, [torch.tensor([x]) for x in nxt],
+                           working=working, deterministic=deterministic)
+    return prompts, nxt, prefill, decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_deterministic_logits_are_one_requests_uncached_pass(dtype, data):
+    """The mode's promise, bit for bit: whatever is cached (random prefixes shared at random
+    lengths), whatever else is in the batch and in whatever order, prefill logits and the
+    next decode step's equal one request's uncached pass by itself, in fp32 and bf16.
+    Chunks of 16 keys, so that 60-token prefixes cross chunk boundaries."""
+    model = _tiny(dtype)
+    with mock.patch.object(forward, "CHUNK", 16):
+        prompts, nxt, prefill, decode = _served(model, data, deterministic=True)
+        for prompt, token, lg, dec in zip(prompts, nxt, prefill, decode, strict=True):
+            assert torch.equal(lg, _alone(model, prompt))
+            assert torch.equal(dec, _alone(model, torch.cat([prompt, torch.tensor([token])])))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_default_mode_stays_within_its_tolerance(dtype, data):
+    """Without the switch, the cache and the batch move logits by rounding only: within
+    1e-4 in fp32, within 0.05 in bf16 (where they need not be equal bitwise)."""
+    model = _tiny(dtype)
+    prompts, nxt, prefill, decode = _served(model, data, deterministic=False)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for prompt, token, lg, dec in zip(prompts, nxt, prefill, decode, strict=True):
+        torch.testing.assert_close(lg.float(), _alone(model, prompt, False).float(),
+                                   rtol=tol, atol=tol)
+        longer = torch.cat([prompt, torch.tensor([token])])
+        torch.testing.assert_close(dec.float(), _alone(model, longer, False).float(),
+                                   rtol=tol, atol=tol)
+
+
+def test_aligned_attention_is_softmax_attention():
+    """``aligned_attention`` computes ordinary causal softmax attention (within fp32
+    rounding), whichever split between shared prefix and own keys it is handed."""
+    gen = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, d, n = 2, 4, 2, 16, 50
+    q = torch.randn(b, heads, 5, d, generator=gen)
+    k, v = torch.randn(2, 1, kv_heads, n, d, generator=gen).expand(2, b, -1, -1, -1)
+    positions = torch.tensor([[40, 41, 42, 43, 44], [45, 46, 47, 48, 49]])
+    sees = torch.arange(n) <= positions[:, None, :, None]  # [b, 1, m, n]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=sees, scale=0.25, enable_gqa=True).transpose(1, 2)
+    for cut in (0, 16, 32):
+        got = aligned_attention(q, positions, k[0, :, :cut], v[0, :, :cut], k[:, :, cut:],
+                                v[:, :, cut:], 0.25, chunk=16)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if cut:
+            assert torch.equal(got, aligned_attention(
+                q, positions, k[0, :, :0], v[0, :, :0], k, v, 0.25, chunk=16))
+    with pytest.raises(PoolError, match="whole number of 16-key chunks"):
+        aligned_attention(q, positions, k[0, :, :10], v[0, :, :10], k[:, :, 10:],
+                          v[:, :, 10:], 0.25, chunk=16)
+
+
+def test_deterministic_mode_needs_a_llama():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
+    pool = KVPool.for_model(gpt2, 16)
+    table = PageTable(pool.alloc(3))
+    with pytest.raises(ModelError, match="not one"):
+        forward_paged(gpt2, pool, [table], [torch.tensor([1, 2, 3])], deterministic=True)
+    assert pool.num_free == 13  # nothing else changed
