@@ -103,7 +103,9 @@ def _rows(fn, x: torch.Tensor):
         return fn(x)
     padded = torch.cat([x.reshape(rows, -1), x.new_zeros(MIN_ROWS - rows, x.shape[-1])])
     out = fn(padded)
-    cut = (lambda y: y[:rows].reshape(*x.shape[:-1], y.shape[-1]))
+    def cut(y: torch.Tensor) -> torch.Tensor:
+        return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+
     return cut(out) if isinstance(out, torch.Tensor) else [cut(y) for y in out]
 
 
