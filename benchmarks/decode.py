@@ -123,7 +123,7 @@ def profile_split(model, batch: int, context: int, steps: int) -> None:
 class NoSharedPrefix(WorkingKV):
     """``WorkingKV`` holding each request's every position in its row (nothing shared)."""
 
-    def _start_prefix(self, tables) -> None:
+    def _start_prefix(self, tables, align: int = 1) -> None:
         self.clear()
 
 
