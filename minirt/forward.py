@@ -91,8 +91,11 @@ rows puts every step, decode of one request included, on the same kernel."""
 
 CHUNK = 256
 """Keys per attention chunk in deterministic mode, chunk ``c`` holding absolute positions
-``c * CHUNK .. (c + 1) * CHUNK - 1`` of every request (SGLang's Triton backend splits
-decode at a fixed 256 keys in its deterministic mode)."""
+``c * CHUNK .. (c + 1) * CHUNK - 1`` of every request. In its deterministic mode SGLang's
+Triton backend also splits decode attention at a fixed tile, 256 keys unless
+``SGLANG_TRITON_DECODE_SPLIT_TILE_SIZE`` says otherwise (sglang 0.5.23
+`srt/layers/attention/triton_backend.py: TritonAttnBackend.__init__`). Measured here: in
+fp32 the per-chunk products need chunks of at least 16 keys to be row-invariant."""
 
 
 def _rows(fn, x: torch.Tensor):
