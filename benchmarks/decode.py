@@ -34,8 +34,8 @@ import torch
 from _setup import timing_model
 
 from minirt.engine import Engine, Request
+from minirt.forward import WorkingKV
 from minirt.model import ATTENTION, load_model
-from minirt.pool import WorkingKV
 
 OWN = 16  # tokens of each prompt that differ between requests
 
@@ -123,7 +123,7 @@ def profile_split(model, batch: int, context: int, steps: int) -> None:
 class NoSharedPrefix(WorkingKV):
     """``WorkingKV`` holding each request's every position in its row (nothing shared)."""
 
-    def _start_prefix(self, tables) -> None:
+    def _start_prefix(self, tables, align: int = 1) -> None:
         self.clear()
 
 
@@ -160,7 +160,7 @@ def choices(batch: int, context: int, steps: int) -> None:
             model.set_attn_implementation(attention)
             # Without the working rows a decode step is transformers' forward over the
             # pool (chapter 04's PoolCache), as it was before llama_forward.
-            with mock.patch("minirt.pool.is_llama", lambda m, keep=keep: keep):
+            with mock.patch("minirt.forward.is_llama", lambda m, keep=keep: keep):
                 times[name] += step_times(engines[name], 1)
     plain.set_attn_implementation(ATTENTION)
     outputs = {tuple(tuple(j.output_ids) for j in e.running) for e in engines.values()}

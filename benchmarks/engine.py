@@ -35,8 +35,9 @@ from unittest import mock
 import torch
 
 from minirt.engine import Engine, Request, chat_script, serve_chat
+from minirt.forward import forward_paged
 from minirt.model import ATTENTION, load_model
-from minirt.pool import KVPool, PageTable, forward_paged
+from minirt.pool import KVPool, PageTable
 from minirt.workloads import few_shot, rag
 
 
@@ -125,7 +126,7 @@ def where_time_goes(model, repeats: int) -> None:
     def paged(attention):
         def run() -> None:
             model.set_attn_implementation(attention)
-            with mock.patch("minirt.pool.is_llama", lambda m: False):  # transformers' forward
+            with mock.patch("minirt.forward.is_llama", lambda m: False):  # transformers' forward
                 forward_paged(model, pool, [table], [ids[1024:]])
         return run
 

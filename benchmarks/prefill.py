@@ -51,7 +51,7 @@ def second_step(engine: Engine, prompts: list[list[int]], direct: bool) -> tuple
     engine.flush()
     handles = [engine.submit(Request(prompt=p, max_new_tokens=1, stop_on_eos=False))
                for p in prompts]
-    with mock.patch("minirt.pool.is_llama", lambda m: direct):
+    with mock.patch("minirt.forward.is_llama", lambda m: direct):
         engine.step()
         start = time.perf_counter()
         out = engine.step()

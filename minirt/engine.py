@@ -15,9 +15,9 @@ everything submitted so far, the way mini-sglang's scheduler loop does:
    and insert the prompts into the tree so that requests admitted later can share them
    (a request that would share whole pages of a prompt of its own batch waits one step
    for them; a shorter run of new tokens that several begin with is computed once,
-   ``pool.PrefillPlan``);
+   ``forward.PrefillPlan``);
 4. *decode*: one forward pass per step for every running request together, attention
-   reading each request's K/V from a contiguous working copy (``pool.WorkingKV``);
+   reading each request's K/V from a contiguous working copy (``forward.WorkingKV``);
 5. *finish*: insert prompt + output, unlock, free the tail that is not a whole page.
 
 ``Engine.generate(requests)`` submits a list of requests (all arriving now) and steps
@@ -328,6 +328,9 @@ class Engine:
     tier) puts chapter 09's host tier under the pool: ``cache`` and ``host_tier`` are then
     a ``minirt.tiers.HiRadixCache`` with ``write_policy`` and ``write_through_threshold``
     (``host_tier`` is None without one); bad tier settings raise TierError.
+    ``deterministic``: every request's logits are the same bits whatever is cached, whatever
+    else is in its batch and however its steps are split (``minirt.forward``'s switch, a
+    Llama only; chapter 10).
     """
 
     def __init__(self, model, tokenizer=None, capacity: int = 8192, page_size: int = 1,
@@ -335,7 +338,7 @@ class Engine:
                  token_budget: int = 2048, check: bool = False,
                  schedule: str | Scheduler = "fcfs", cache: str = "radix",
                  host_capacity: int | None = None, write_policy: str = "write_through",
-                 write_through_threshold: int = 1) -> None:
+                 write_through_threshold: int = 1, deterministic: bool = False) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) \
                 or token_budget < 1:
             raise RequestError(f"token_budget must be a positive int, got {token_budget!r}")
@@ -365,6 +368,7 @@ class Engine:
             self.host_tier.make_room = self.lifecycle.make_room
         self.use_cache, self.token_budget, self.check = use_cache, token_budget, check
         self.lifecycle.share_runs = use_cache  # without a cache, nothing is computed once
+        self.lifecycle.deterministic = deterministic  # forward.py's switch (chapter 10)
         config = model.config.get_text_config(decoder=True)
         self.vocab_size = int(config.vocab_size)
         self.max_positions = getattr(config, "max_position_embeddings", None)

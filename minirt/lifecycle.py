@@ -19,12 +19,12 @@ engine of chapter 06 reuses them):
 ``check_integrity`` states the invariants that make this safe: every pool slot is owned
 exactly once (free list, tree, or one running request), ref counts equal the number of
 running requests whose handle runs through each node, and no page table points at a
-free slot. ``LifecycleState`` snapshots feed the chapter's step-through widget.
+free slot. ``state_snapshot``, ``pool_map`` and ``matched_paths`` read that state;
+``viz.LifecycleState`` draws it and ``widgets.lifecycle_stepper`` steps through it.
 """
 
 from __future__ import annotations
 
-import html
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -33,21 +33,19 @@ import torch
 
 from .cache import CacheHandle, MatchResult, PrefixCache, as_ids, check_salt, slots_tensor
 from .errors import OutOfMemoryError, PoolError, RequestError, StaleHandleError
-from .pool import KVPool, PageTable, WorkingKV, forward_paged
+from .forward import WorkingKV, forward_paged
+from .pool import KVPool, PageTable
 from .radix import RadixNode
 
 __all__ = [
     "Lifecycle",
-    "LifecycleState",
     "Request",
     "check_integrity",
     "greedy_reference",
     "greedy_token",
-    "lifecycle_stepper",
     "matched_paths",
     "node_path",
     "pool_map",
-    "pool_map_text",
     "state_snapshot",
 ]
 
@@ -160,6 +158,7 @@ class Lifecycle:
         self._arrivals = itertools.count()
         self.working = WorkingKV(pool)  # decode reads running K/V here, not gathered
         self.share_runs = True  # prefill computes a run several requests begin with once
+        self.deterministic = False  # same bits whatever is cached or batched (chapter 10)
 
     # ------------------------------------------------------------ requests
     def new_request(self, prompt, max_new_tokens: int = 1, rid: str | None = None,
@@ -306,7 +305,7 @@ class Lifecycle:
             raise RequestError("a request appears twice in one prefill batch")
         logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
                                [r.prompt[r.kv_len:] for r in reqs], last_only=not all_logits,
-                               share_runs=self.share_runs)
+                               share_runs=self.share_runs, deterministic=self.deterministic)
         for req, lg in zip(reqs, logits, strict=True):
             req.kv_len = req.prompt.numel()
             req.output.append(req.next_token(lg if lg.dim() == 1 else lg[-1]))
@@ -349,7 +348,7 @@ class Lifecycle:
             r.page_table.append(r.private[used:used + 1])
         logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
                                [torch.tensor([r.output[-1]]) for r in reqs],
-                               working=self.working)
+                               working=self.working, deterministic=self.deterministic)
         for r, lg, token in zip(reqs, logits, _greedy_picks(reqs, logits), strict=True):
             r.kv_len += 1
             r.output.append(r.next_token(lg) if token is None else token)
@@ -563,107 +562,3 @@ def pool_map(lc: Lifecycle) -> list[str]:
         for s in r.private.tolist():
             labels[s] = r.rid
     return labels
-
-
-def pool_map_text(labels: Sequence[str]) -> str:
-    """One character per slot: ``.`` free, ``c`` cached, ``P`` protected, request ids' last char."""
-    glyph = {"free": ".", "cached": "c", "protected": "P"}
-    return "".join(glyph.get(x, x[-1]) for x in labels)
-
-
-@dataclass(frozen=True)
-class LifecycleState:
-    """One frame of the walk-through: what each step left behind (plain data, no live objects)."""
-
-    step: str
-    note: str
-    page_tables: dict[str, list[int]]
-    free: list[int]
-    ref_counts: dict[str, int]
-    counters: dict[str, int]
-    pool: list[str]
-    tree_source: str
-    tree_text: str
-
-    @classmethod
-    def capture(cls, lc: Lifecycle, step: str, note: str = "", tokenizer=None) -> LifecycleState:
-        """Snapshot ``lc`` now (the tree drawn with minirt.viz, slots prefixed 'p').
-
-        The drawing highlights the matched path of every waiting request that holds a
-        live match, so a frame taken right after ``match`` shows what was found.
-        """
-        from .viz import draw_tree, tree_text
-
-        refs = {" ".join(map(str, n.key.tolist())): n.ref_count for n in lc.cache.nodes()}
-        tables = {r.rid: r.page_table.tolist() for r in lc.requests.values()
-                  if r.state in ("locked", "running")}
-        return cls(step, note, tables, lc.pool.free_slots().tolist(), dict(sorted(refs.items())),
-                   lc.counters(), pool_map(lc),
-                   draw_tree(lc.cache, tokenizer, highlight=matched_paths(lc) or None,
-                             title=step).source,
-                   tree_text(lc.cache, tokenizer))
-
-    def counters_text(self) -> str:
-        """Counters, free list and page tables, one per line."""
-        c = self.counters
-        lines = [f"free {c['free']}  evictable {c['evictable']}  protected {c['protected']}  "
-                 f"private {c['private']}  (capacity {c['capacity']})",
-                 f"free list {self.free}"]
-        lines += [f"page table {rid}: {slots}" for rid, slots in self.page_tables.items()]
-        return "\n".join(lines)
-
-    def text(self) -> str:
-        """The whole frame as plain text: step, pool map, counters, page tables, tree."""
-        return "\n".join([f"[{self.step}] {self.note}".rstrip(),
-                          f"pool |{pool_map_text(self.pool)}|  (. free, c cached, P protected, "
-                          "else the owning request's last character)",
-                          self.counters_text(), self.tree_text])
-
-
-def step_index(current: int, delta: int, count: int) -> int:
-    """The frame after pressing Next (+1) or Back (-1): clamped to ``0 .. count-1``."""
-    return max(0, min(count - 1, current + delta))
-
-
-_POOL_COLOURS = {"free": "#ffffff", "cached": "#c7e9c0", "protected": "#fdd49e"}
-
-
-def pool_map_html(labels: Sequence[str]) -> str:
-    """The pool as a row of coloured cells (free white, cached green, protected orange)."""
-    cells = []
-    for i, x in enumerate(labels):
-        colour = _POOL_COLOURS.get(x, "#9ecae1")
-        cells.append(f"<td style='background:{colour};border:1px solid #888;padding:2px 4px;"
-                     f"font-family:monospace;font-size:11px' title='{x}'>p{i}<br>"
-                     f"{x if x not in _POOL_COLOURS else x[0]}</td>")
-    return "<table style='border-collapse:collapse'><tr>" + "".join(cells) + "</tr></table>"
-
-
-def lifecycle_stepper(states: Sequence[LifecycleState]):
-    """An ipywidgets Next/Back stepper over recorded frames: tree, pool map and counters."""
-    import graphviz
-    import ipywidgets as widgets
-
-    if not states:
-        raise RequestError("lifecycle_stepper needs at least one recorded state")
-    pos = {"i": 0}
-    title, tree, pool, text = (widgets.HTML(), widgets.HTML(), widgets.HTML(),
-                               widgets.HTML())
-    back, nxt = widgets.Button(description="Back"), widgets.Button(description="Next")
-
-    def show() -> None:
-        s = states[pos["i"]]
-        title.value = f"<b>{pos['i'] + 1}/{len(states)}: {s.step}</b> {s.note}"
-        tree.value = graphviz.Source(s.tree_source).pipe(format="svg").decode()
-        pool.value = pool_map_html(s.pool)
-        text.value = f"<pre>{html.escape(s.counters_text())}</pre>"
-        back.disabled, nxt.disabled = pos["i"] == 0, pos["i"] == len(states) - 1
-
-    def move(delta: int) -> None:
-        pos["i"] = step_index(pos["i"], delta, len(states))
-        show()
-
-    back.on_click(lambda _: move(-1))
-    nxt.on_click(lambda _: move(+1))
-    show()
-    return widgets.VBox([widgets.HBox([back, nxt, title]), pool, text, tree])

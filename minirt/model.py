@@ -38,11 +38,7 @@ __all__ = [
     "default_device",
     "default_dtype",
     "fetch_default_model", "fuse_projections",
-    "attention_lse",
     "grouped_decode",
-    "is_llama",
-    "llama_forward",
-    "shared_prefix_attention",
     "load_model",
     "tiny_model",
 ]
@@ -267,77 +263,6 @@ def grouped_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.view(b, heads, 1, d).transpose(1, 2)
 
 
-def shared_prefix_attention(query: torch.Tensor, prefix_k: torch.Tensor,
-                            prefix_v: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            mask: torch.Tensor | None, scale: float,
-                            causal: bool = False) -> torch.Tensor:
-    """Attention of ``query`` ``[b, heads, m, head_dim]`` when every sequence's keys are one
-    shared prefix, then its own: ``[b, m, heads, head_dim]``.
-
-    ``prefix_k``, ``prefix_v`` ``[kv_heads, P, head_dim]`` are the first ``P`` positions of
-    every sequence, which every query sees; ``key``, ``value`` ``[b, kv_heads, n, head_dim]``
-    the positions after them, seen as ``mask`` (broadcast to ``[b, 1, m, n]``: bool, True
-    where a key counts, or additive) and ``causal`` (``attention_lse``) say. The prefix is
-    read once for the whole batch, all ``b * heads / kv_heads * m`` query rows of a K/V
-    head in one attention, instead of once per sequence. Each half's softmax is normalised
-    on its own; with their log-sum-exps ``a`` (own) and ``p`` (prefix) the whole softmax is
-    ``own + (prefix - own) * sigmoid(p - a)`` (FlashInfer's cascade attention, the Hydragen
-    paper's decomposition). One position per sequence (decode): the query heads sharing a
-    K/V head are the rows of one attention against it, as in ``grouped_decode``.
-    """
-    b, heads, m, d = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    q = query.reshape(b, kv_heads, group, d) if m == 1 else query
-    out, lse = attention_lse(q, key, value, mask, scale, causal)
-    if prefix_k.shape[1]:
-        rows = query.reshape(b, kv_heads, group * m, d).transpose(0, 1)
-        p_out, p_lse = attention_lse(rows.reshape(1, kv_heads, b * group * m, d),
-                                     prefix_k[None], prefix_v[None], None, scale)
-        p_out = p_out.reshape(kv_heads, b, group * m, d).transpose(0, 1).reshape(out.shape)
-        p_lse = p_lse.reshape(kv_heads, b, group * m).transpose(0, 1).reshape(lse.shape)
-        exact = torch.promote_types(query.dtype, torch.float32)  # bf16 merges in fp32
-        out = torch.lerp(out.to(exact), p_out.to(exact),
-                         torch.sigmoid(p_lse - lse).unsqueeze(-1).to(exact))
-    return out.to(query.dtype).reshape(b, heads, m, d).transpose(1, 2)
-
-
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``q`` ``[b, heads, m, d]`` over ``k``, ``v`` ``[b, kv_heads, n,
-    d]`` (``heads`` a multiple of ``kv_heads``), with each row's log-sum-exp of its scaled
-    scores ``[b, heads, m]``: what two attentions over two parts of the keys need to be
-    merged exactly. ``mask`` broadcasts to ``[b, heads, m, n]`` (bool: True where a key
-    counts; or additive); ``causal``: query ``i`` sees keys ``0..i`` (``m == n``).
-
-    On CPU this is torch's flash-attention kernel, which returns the log-sum-exp it keeps
-    anyway; elsewhere the same values from matrix products in fp32. Grouped K/V heads are
-    repeated first, so as not to rely on the kernel reading them in place (not checked on
-    every torch this project allows); the decode step never needs that, its query rows
-    being grouped by K/V head already.
-    """
-    if mask is not None and mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-            ~mask, float("-inf"))
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    if _FLASH_CPU is not None and q.device.type == "cpu":
-        return _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1),
-                                    float("-inf"))
-    if mask is not None:
-        scores = scores + mask
-    lse = torch.logsumexp(scores, -1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v)
-    return out, lse
-
-
 def fuse_projections(model, prepack: bool = True) -> int:
     """Give each Llama layer one q/k/v GEMM and one gate/up GEMM instead of five (idempotent).
 
@@ -470,67 +395,6 @@ def _fused_mlp_forward(self, x):
 
 
 _QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-
-
-# ---------------------------------------------------------------------------
-# A Llama forward without transformers' cache object, mask or per-layer dispatch.
-
-
-def is_llama(model) -> bool:
-    """True if ``model`` is transformers' Llama, layer for layer (what ``llama_forward`` runs)."""
-    from transformers.models.llama import modeling_llama as m
-
-    return type(model) is m.LlamaForCausalLM and all(
-        type(layer) is m.LlamaDecoderLayer and type(layer.self_attn) is m.LlamaAttention
-        and type(layer.mlp) is m.LlamaMLP for layer in model.model.layers)
-
-
-def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  attend, last: torch.Tensor | None = None) -> torch.Tensor:
-    """A Llama's next-token logits at the last column of ``input_ids`` ``[b, t]``:
-    ``[b, vocab]`` (``last``: at these flat indices into ``b * t`` instead).
-
-    The layers run in transformers' order with the model's own weights and maths (RMSNorm,
-    RoPE, the fused projections where ``fuse_projections`` made them, SiLU), but attention
-    is ``attend(layer, q, k, v, scale)``: it gets the new positions' ``q`` ``[b, heads, t,
-    head_dim]`` and ``k``, ``v`` ``[b, kv_heads, t, head_dim]`` after RoPE, stores the K/V
-    where it keeps them, and returns the attention output ``[b, t, heads * head_dim]``.
-    No cache object, no mask built for the caller: the caller knows its batch's shape.
-    Each layer is a handful of tensor operations (``_rms_norm``, ``_rope``, residuals added
-    in place), and the output head runs on the positions asked for only.
-    """
-    inner = model.model
-    h = inner.embed_tokens(input_ids)
-    cos, sin = _rope_tables(*inner.rotary_emb(h, position_ids))
-    for i, layer in enumerate(inner.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = (t.view(*h.shape[:-1], -1, attn.head_dim)
-                   for t in _projections(attn, _QKV, _rms_norm(layer.input_layernorm, h)))
-        q, k = _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2)
-        h += attn.o_proj(attend(i, q, k, v.transpose(1, 2), attn.scaling))
-        gate, up = _projections(mlp, _GATE_UP, _rms_norm(layer.post_attention_layernorm, h))
-        h += mlp.down_proj(mlp.act_fn(gate).mul_(up))
-    h = h[:, -1] if last is None else h.view(-1, h.shape[-1]).index_select(0, last)
-    return model.lm_head(_rms_norm(inner.norm, h))
-
-
-def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm`` as one torch call (in fp32: the same values, bit for bit)."""
-    if x.dtype != torch.float32:
-        return norm(x)
-    return torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-
-
-def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary tables ``[b, t, 1, head_dim]`` for ``_rope``: ``sin``'s first half negated,
-    so that transformers' ``rotate_half(x) * sin`` becomes ``x.roll(half) * sin`` (exact)."""
-    half = sin.shape[-1] // 2
-    return cos.unsqueeze(2), torch.cat([-sin[..., :half], sin[..., half:]], -1).unsqueeze(2)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_pos_emb`` on ``x`` ``[b, t, heads, head_dim]`` in four operations."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def tiny_model(seed: int = 0, vocab_size: int = 128, num_layers: int = 2):

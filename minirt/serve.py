@@ -605,7 +605,7 @@ async def _sse(worker: EngineWorker, stream: Stream, endpoint: str, ident: str,
 
 def make_worker(model: str | None = None, capacity: int = 8192, page_size: int = 1,
                 token_budget: int = 2048, policy: str = "lru", device: str | None = None,
-                ) -> tuple[EngineWorker, str, str]:
+                deterministic: bool = False) -> tuple[EngineWorker, str, str]:
     """Load the model (float32 on CPU) and start the engine thread: (worker, name, path)."""
     import torch
 
@@ -615,7 +615,7 @@ def make_worker(model: str | None = None, capacity: int = 8192, page_size: int =
     path = str(m.name_or_path)
     name = str(model or os.environ.get("MINIRT_MODEL") or DEFAULT_MODEL)
     engine = Engine(m, tok, capacity=capacity, page_size=page_size, token_budget=token_budget,
-                    policy=policy)
+                    policy=policy, deterministic=deterministic)
     return EngineWorker(engine).start(), name, path
 
 
@@ -637,12 +637,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policy", default="lru", help="eviction policy")
     p.add_argument("--device", default=None)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--deterministic", action="store_true",
+                   help="same bits whatever is cached or batched (chapter 10)")
     p.add_argument("--server-id", default=None,
                    help="sent as system_fingerprint, to tell replicas apart behind a router")
     args = p.parse_args(argv)
 
     worker, name, path = make_worker(args.model, args.capacity, args.page_size,
-                                     args.token_budget, args.policy, args.device)
+                                     args.token_budget, args.policy, args.device,
+                                     args.deterministic)
     name = args.served_model_name or name
     app = build_app(worker, name, path, args.server_id)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -54,7 +54,8 @@ from .cache import (
 )
 from .errors import PoolError, TierError
 from .eviction import EvictionPolicy
-from .pool import KVPool, PageTable, forward_paged
+from .forward import forward_paged
+from .pool import KVPool, PageTable
 from .radix import RadixNode
 
 __all__ = [

@@ -11,14 +11,19 @@ evictable ones (unlocked leaves) are coloured, and a matched path is drawn bold.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import graphviz
 
 from .radix import RadixNode
 
-__all__ = ["STYLE", "TIER_STYLE", "draw_designs", "draw_tier_tree", "draw_tree", "node_state",
-           "path_to_root", "tier_tree_text", "tree_dict", "tree_nodes", "tree_text"]
+if TYPE_CHECKING:
+    from .lifecycle import Lifecycle
+
+__all__ = ["STYLE", "TIER_STYLE", "LifecycleState", "draw_designs", "draw_tier_tree", "draw_tree",
+           "node_state", "path_to_root", "pool_map_html", "pool_map_text", "tier_tree_text",
+           "tree_dict", "tree_nodes", "tree_text"]
 
 # Colours and shapes, in one place so the legend always matches the drawing.
 STYLE: dict[str, dict[str, str]] = {
@@ -319,3 +324,75 @@ def draw_tier_tree(tiers: Any, tokenizer: Any = None, max_tokens: int = 8, *,
                     box.edge(previous, f"legend_{tier}", style="invis")
                 previous = f"legend_{tier}"
     return graph
+
+
+# ---------------------------------------------------------------- lifecycle frames
+
+
+def pool_map_text(labels: Sequence[str]) -> str:
+    """One character per slot: ``.`` free, ``c`` cached, ``P`` protected, request ids' last char."""
+    glyph = {"free": ".", "cached": "c", "protected": "P"}
+    return "".join(glyph.get(x, x[-1]) for x in labels)
+
+
+@dataclass(frozen=True)
+class LifecycleState:
+    """One frame of the walk-through: what each step left behind (plain data, no live objects)."""
+
+    step: str
+    note: str
+    page_tables: dict[str, list[int]]
+    free: list[int]
+    ref_counts: dict[str, int]
+    counters: dict[str, int]
+    pool: list[str]
+    tree_source: str
+    tree_text: str
+
+    @classmethod
+    def capture(cls, lc: Lifecycle, step: str, note: str = "", tokenizer=None) -> LifecycleState:
+        """Snapshot ``lc`` now (the tree drawn with minirt.viz, slots prefixed 'p').
+
+        The drawing highlights the matched path of every waiting request that holds a
+        live match, so a frame taken right after ``match`` shows what was found.
+        """
+        from .lifecycle import matched_paths, pool_map  # the frame reads chapter 04's state
+
+        refs = {" ".join(map(str, n.key.tolist())): n.ref_count for n in lc.cache.nodes()}
+        tables = {r.rid: r.page_table.tolist() for r in lc.requests.values()
+                  if r.state in ("locked", "running")}
+        return cls(step, note, tables, lc.pool.free_slots().tolist(), dict(sorted(refs.items())),
+                   lc.counters(), pool_map(lc),
+                   draw_tree(lc.cache, tokenizer, highlight=matched_paths(lc) or None,
+                             title=step).source,
+                   tree_text(lc.cache, tokenizer))
+
+    def counters_text(self) -> str:
+        """Counters, free list and page tables, one per line."""
+        c = self.counters
+        lines = [f"free {c['free']}  evictable {c['evictable']}  protected {c['protected']}  "
+                 f"private {c['private']}  (capacity {c['capacity']})",
+                 f"free list {self.free}"]
+        lines += [f"page table {rid}: {slots}" for rid, slots in self.page_tables.items()]
+        return "\n".join(lines)
+
+    def text(self) -> str:
+        """The whole frame as plain text: step, pool map, counters, page tables, tree."""
+        return "\n".join([f"[{self.step}] {self.note}".rstrip(),
+                          f"pool |{pool_map_text(self.pool)}|  (. free, c cached, P protected, "
+                          "else the owning request's last character)",
+                          self.counters_text(), self.tree_text])
+
+
+_POOL_COLOURS = {"free": "#ffffff", "cached": "#c7e9c0", "protected": "#fdd49e"}
+
+
+def pool_map_html(labels: Sequence[str]) -> str:
+    """The pool as a row of coloured cells (free white, cached green, protected orange)."""
+    cells = []
+    for i, x in enumerate(labels):
+        colour = _POOL_COLOURS.get(x, "#9ecae1")
+        cells.append(f"<td style='background:{colour};border:1px solid #888;padding:2px 4px;"
+                     f"font-family:monospace;font-size:11px' title='{x}'>p{i}<br>"
+                     f"{x if x not in _POOL_COLOURS else x[0]}</td>")
+    return "<table style='border-collapse:collapse'><tr>" + "".join(cells) + "</tr></table>"

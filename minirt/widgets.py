@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import html
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import graphviz
 
 from .cache import InsertResult, MatchResult, RadixCache, insert_fresh
-from .errors import InvalidIdsError
-from .viz import draw_tree
+from .errors import InvalidIdsError, RequestError
+from .viz import LifecycleState, draw_tree, pool_map_html
 
-__all__ = ["DEFAULT_PROMPTS", "Explorer", "explorer_widget"]
+__all__ = ["DEFAULT_PROMPTS", "Explorer", "explorer_widget", "lifecycle_stepper", "step_index"]
 
 DEFAULT_PROMPTS = [
     "The cat sat on the mat.",
@@ -161,3 +162,38 @@ def explorer_widget(explorer: Explorer | None = None, **kwargs: Any):
     box.explorer = ex
     box.controls = {"prompt": prompt, **buttons, "message": message, "picture": picture}
     return box
+
+
+def step_index(current: int, delta: int, count: int) -> int:
+    """The frame after pressing Next (+1) or Back (-1): clamped to ``0 .. count-1``."""
+    return max(0, min(count - 1, current + delta))
+
+
+def lifecycle_stepper(states: Sequence[LifecycleState]):
+    """An ipywidgets Next/Back stepper over recorded frames: tree, pool map and counters."""
+    import graphviz
+    import ipywidgets as widgets
+
+    if not states:
+        raise RequestError("lifecycle_stepper needs at least one recorded state")
+    pos = {"i": 0}
+    title, tree, pool, text = (widgets.HTML(), widgets.HTML(), widgets.HTML(),
+                               widgets.HTML())
+    back, nxt = widgets.Button(description="Back"), widgets.Button(description="Next")
+
+    def show() -> None:
+        s = states[pos["i"]]
+        title.value = f"<b>{pos['i'] + 1}/{len(states)}: {s.step}</b> {s.note}"
+        tree.value = graphviz.Source(s.tree_source).pipe(format="svg").decode()
+        pool.value = pool_map_html(s.pool)
+        text.value = f"<pre>{html.escape(s.counters_text())}</pre>"
+        back.disabled, nxt.disabled = pos["i"] == 0, pos["i"] == len(states) - 1
+
+    def move(delta: int) -> None:
+        pos["i"] = step_index(pos["i"], delta, len(states))
+        show()
+
+    back.on_click(lambda _: move(-1))
+    nxt.on_click(lambda _: move(+1))
+    show()
+    return widgets.VBox([widgets.HBox([back, nxt, title]), pool, text, tree])

@@ -103,6 +103,34 @@ def test_imports_run_one_way():
             visit(mod, [mod])
 
 
+PRESENTATION = {"viz", "widgets"}  # HTML, SVG, widgets and text renders of state (BOOK.md s.4)
+
+
+def test_no_mechanism_module_imports_a_presentation_module():
+    """Presentation reads every layer; no mechanism module (nor a checker) reads it, not even
+    inside a function."""
+    from pathlib import Path
+
+    pkg = Path(book.__file__).parent
+    files = [p for p in [*pkg.glob("*.py"), *pkg.glob("checks/*.py")]
+             if p.stem not in PRESENTATION | {"__init__"}]
+    assert len(files) > 20
+    bad = {str(p.relative_to(pkg)): sorted(_minirt_imports(p) & PRESENTATION) for p in files}
+    assert {f: mods for f, mods in bad.items() if mods} == {}
+
+
+def test_the_forward_pass_sits_between_the_pool_and_the_lifecycle():
+    """BOOK.md s.4's layers: the pool knows nothing of the forward pass, the model loader
+    nothing of the pool or the forward pass; the lifecycle runs through the forward module."""
+    from pathlib import Path
+
+    pkg = Path(book.__file__).parent
+    deps = {m: _minirt_imports(pkg / f"{m}.py") for m in ("pool", "model", "forward", "lifecycle")}
+    assert not deps["pool"] & {"forward", "lifecycle", "model"}
+    assert not deps["model"] & {"pool", "forward", "lifecycle"}
+    assert {"pool", "model"} <= deps["forward"] and "forward" in deps["lifecycle"]
+
+
 def test_progress_yields_every_item_and_leaves_no_bar(capsys, monkeypatch):
     from minirt.book import progress
 

@@ -307,3 +307,37 @@ def test_interrupted_generate_gives_everything_back(model):
     assert engine.pool.num_free + engine.cache.evictable_size == 64
     res = engine.generate(reqs(prompts, n=4), progress=False)
     assert res.outputs == [greedy_reference(model, p, 4) for p in prompts]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_deterministic_engine_gives_the_same_tokens_cached_or_not_batched_or_alone(page_size):
+    """``Engine(deterministic=True)`` in bf16: 16 requests behind one 40-token prefix give the
+    same greedy tokens with and without the cache, 16 in a batch or one at a time (chunks
+    of 16 keys, so the prefix spans chunks)."""
+    from unittest import mock
+
+    import minirt.forward as forward
+    from minirt.model import fuse_projections, tiny_model
+
+    m = tiny_model(7).to(torch.bfloat16)
+    fuse_projections(m)
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 128, (40,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(0, 128, (1 + i % 5,), generator=gen).tolist()
+               for i in range(16)]
+    runs = {}
+    with mock.patch.object(forward, "CHUNK", 16):
+        for use_cache in (True, False):
+            for batch in (16, 4, 1):
+                engine = Engine(m, capacity=1024, page_size=page_size, use_cache=use_cache,
+                                deterministic=True, check=True)
+                out = []
+                for i in range(0, 16, batch):
+                    out += [r.output_ids for r in engine.generate(reqs(prompts[i:i + batch], 6),
+                                                                   progress=False)]
+                runs[use_cache, batch] = out
+                if use_cache and batch == 16:
+                    assert sum(r.metrics.cached_tokens for r in
+                               engine.generate(reqs(prompts, 1), progress=False)) > 0
+    first = runs[False, 1]
+    assert all(out == first for out in runs.values())

@@ -12,20 +12,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from minirt.cache import RadixCache
 from minirt.errors import HandleError, OutOfMemoryError, PoolError, RequestError, StaleHandleError
+from minirt.forward import forward_paged
 from minirt.lifecycle import (
     Lifecycle,
-    LifecycleState,
     check_integrity,
     greedy_reference,
-    lifecycle_stepper,
     matched_paths,
     pool_map,
-    pool_map_text,
     state_snapshot,
-    step_index,
 )
 from minirt.model import tiny_model
-from minirt.pool import KVPool, forward_paged
+from minirt.pool import KVPool
+from minirt.viz import LifecycleState, pool_map_text
+from minirt.widgets import lifecycle_stepper, step_index
 
 S = [90, 10, 11, 12]
 

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirt.errors import InvalidIdsError, OutOfMemoryError, PoolError
+from minirt.forward import PrefillPlan, forward_paged
 from minirt.model import tiny_model
-from minirt.pool import KVPool, PageTable, PrefillPlan, forward_paged
+from minirt.pool import KVPool, PageTable
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +261,7 @@ def test_working_kv_decode_equals_gathering_from_the_pool(model):
     """Decode steps through WorkingKV give the gathering path's logits while requests of
     different lengths join and leave, its rows always equal the pool at their slots, and a
     table re-pointed under it (or with a bad K/V slot) is read again from the pool."""
-    from minirt.pool import WorkingKV
+    from minirt.forward import WorkingKV
 
     torch.manual_seed(4)
     pool = KVPool.for_model(model, 256)
@@ -299,7 +300,7 @@ def test_working_kv_decode_equals_gathering_from_the_pool(model):
 
 
 def test_working_kv_check_catches_a_row_that_drifted(model):
-    from minirt.pool import WorkingKV
+    from minirt.forward import WorkingKV
 
     pool = KVPool.for_model(model, 32)
     working = WorkingKV(pool)
@@ -316,7 +317,7 @@ def test_working_kv_check_catches_a_row_that_drifted(model):
 def test_working_kv_holds_the_shared_prefix_once(model):
     """Requests whose tables share a prefix's slots (as after a tree hit) decode through one
     copy of it: logits equal the plain model's; a request sharing less starts it over."""
-    from minirt.pool import WorkingKV
+    from minirt.forward import WorkingKV
 
     torch.manual_seed(5)
     pool = KVPool.for_model(model, 256)

@@ -1,0 +1,707 @@
+"""The forward pass over pooled K/V: batched prefill, the decode working set, attention
+split at a shared prefix and merged by log-sum-exp, and the deterministic switch.
+
+The pool (``minirt.pool``) keeps slots and pages; ``minirt.model`` loads weights. This
+module runs a model on a batch of requests whose K/V live in the pool:
+
+* ``forward_paged``: one forward over several requests' new tokens. Any Hugging Face
+  causal LM runs unmodified through ``pool.PoolCache`` (RadixAttention changes no
+  math); a Llama runs ``llama_forward`` layer by layer, its prefill laid out as a
+  ``PrefillPlan`` (the prefix every request shares read once, a run of new tokens several
+  begin with computed once) and its decode step over ``WorkingKV``'s contiguous rows.
+* ``shared_prefix_attention`` / ``attention_lse``: attention split at the shared prefix,
+  the two halves merged exactly through their log-sum-exps.
+* ``deterministic=True``: the same requests give the same bits whatever is cached, whatever
+  else is in the batch and however a step is split (``aligned_attention``, ``MIN_ROWS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from .errors import ModelError, PoolError
+from .model import _GATE_UP, _QKV, _projections
+from .pool import KVPool, PagedBatch, PageTable, PoolCache, as_index_tensor
+
+__all__ = ["CHUNK", "MIN_ROWS", "PrefillPlan", "WorkingKV", "aligned_attention", "attention_lse",
+           "forward_paged", "is_llama", "llama_forward", "shared_prefix_attention"]
+
+# ---------------------------------------------------------------------------
+# A Llama forward without transformers' cache object, mask or per-layer dispatch.
+
+
+def is_llama(model) -> bool:
+    """True if ``model`` is transformers' Llama, layer for layer (what ``llama_forward`` runs)."""
+    from transformers.models.llama import modeling_llama as m
+
+    return type(model) is m.LlamaForCausalLM and all(
+        type(layer) is m.LlamaDecoderLayer and type(layer.self_attn) is m.LlamaAttention
+        and type(layer.mlp) is m.LlamaMLP for layer in model.model.layers)
+
+
+def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  attend, last: torch.Tensor | None = None,
+                  deterministic: bool = False) -> torch.Tensor:
+    """A Llama's next-token logits at the last column of ``input_ids`` ``[b, t]``:
+    ``[b, vocab]`` (``last``: at these flat indices into ``b * t`` instead).
+
+    The layers run in transformers' order with the model's own weights and maths (RMSNorm,
+    RoPE, the fused projections where ``fuse_projections`` made them, SiLU), but attention
+    is ``attend(layer, q, k, v, scale)``: it gets the new positions' ``q`` ``[b, heads, t,
+    head_dim]`` and ``k``, ``v`` ``[b, kv_heads, t, head_dim]`` after RoPE, stores the K/V
+    where it keeps them, and returns the attention output ``[b, t, heads * head_dim]``.
+    No cache object, no mask built for the caller: the caller knows its batch's shape.
+    Each layer is a handful of tensor operations (``_rms_norm``, ``_rope``, residuals added
+    in place), and the output head runs on the positions asked for only.
+
+    ``deterministic``: every matrix product gets at least ``MIN_ROWS`` rows (``_rows``), so
+    a row's result does not depend on how many rows the step has (the caller's ``attend``
+    must be row-invariant too: ``aligned_attention``).
+    """
+    def run(fn, x):
+        return _rows(fn, x) if deterministic else fn(x)
+
+    inner = model.model
+    h = inner.embed_tokens(input_ids)
+    cos, sin = _rope_tables(*inner.rotary_emb(h, position_ids))
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = (t.view(*h.shape[:-1], -1, attn.head_dim)
+                   for t in run(partial(_projections, attn, _QKV),
+                                _rms_norm(layer.input_layernorm, h)))
+        q, k = _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2)
+        h += run(attn.o_proj, attend(i, q, k, v.transpose(1, 2), attn.scaling))
+        gate, up = run(partial(_projections, mlp, _GATE_UP),
+                       _rms_norm(layer.post_attention_layernorm, h))
+        h += run(mlp.down_proj, mlp.act_fn(gate).mul_(up))
+    h = h[:, -1] if last is None else h.view(-1, h.shape[-1]).index_select(0, last)
+    return run(model.lm_head, _rms_norm(inner.norm, h))
+
+
+MIN_ROWS = 4
+"""The fewest rows a matrix product gets in deterministic mode. Measured with torch 2.13's
+CPU build (``benchmarks/deterministic.py --probe``): in fp32 a row of ``x @ w.T`` comes out
+of one kernel for 1 row, another for 2-3 rows and a third for 4 or more (every count up to
+1,064 tested gives the 4-row bits); in bf16 one kernel serves every count. Padding to 4
+rows puts every step, decode of one request included, on the same kernel."""
+
+CHUNK = 256
+"""Keys per attention chunk in deterministic mode, chunk ``c`` holding absolute positions
+``c * CHUNK .. (c + 1) * CHUNK - 1`` of every request. In its deterministic mode SGLang's
+Triton backend also splits decode attention at a fixed tile, 256 keys unless
+``SGLANG_TRITON_DECODE_SPLIT_TILE_SIZE`` says otherwise (sglang 0.5.23
+`srt/layers/attention/triton_backend.py: TritonAttnBackend.__init__`). Measured here: in
+fp32 the per-chunk products need chunks of at least 16 keys to be row-invariant."""
+
+
+def _rows(fn, x: torch.Tensor):
+    """``fn(x)`` (a row-wise map of ``x`` ``[..., features]``: a Linear, or fused projections
+    returning a list) with ``x`` padded by zero rows to at least ``MIN_ROWS`` rows."""
+    rows = x.numel() // x.shape[-1]
+    if rows >= MIN_ROWS:
+        return fn(x)
+    padded = torch.cat([x.reshape(rows, -1), x.new_zeros(MIN_ROWS - rows, x.shape[-1])])
+    out = fn(padded)
+    def cut(y: torch.Tensor) -> torch.Tensor:
+        return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+
+    return cut(out) if isinstance(out, torch.Tensor) else [cut(y) for y in out]
+
+
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm`` as one torch call (in fp32: the same values, bit for bit)."""
+    if x.dtype != torch.float32:
+        return norm(x)
+    return torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables ``[b, t, 1, head_dim]`` for ``_rope``: ``sin``'s first half negated,
+    so that transformers' ``rotate_half(x) * sin`` becomes ``x.roll(half) * sin`` (exact)."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat([-sin[..., :half], sin[..., half:]], -1).unsqueeze(2)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_pos_emb`` on ``x`` ``[b, t, heads, head_dim]`` in four operations."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+
+def shared_prefix_attention(query: torch.Tensor, prefix_k: torch.Tensor,
+                            prefix_v: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            mask: torch.Tensor | None, scale: float,
+                            causal: bool = False) -> torch.Tensor:
+    """Attention of ``query`` ``[b, heads, m, head_dim]`` when every sequence's keys are one
+    shared prefix, then its own: ``[b, m, heads, head_dim]``.
+
+    ``prefix_k``, ``prefix_v`` ``[kv_heads, P, head_dim]`` are the first ``P`` positions of
+    every sequence, which every query sees; ``key``, ``value`` ``[b, kv_heads, n, head_dim]``
+    the positions after them, seen as ``mask`` (broadcast to ``[b, 1, m, n]``: bool, True
+    where a key counts, or additive) and ``causal`` (``attention_lse``) say. The prefix is
+    read once for the whole batch, all ``b * heads / kv_heads * m`` query rows of a K/V
+    head in one attention, instead of once per sequence. Each half's softmax is normalised
+    on its own; with their log-sum-exps ``a`` (own) and ``p`` (prefix) the whole softmax is
+    ``own + (prefix - own) * sigmoid(p - a)`` (FlashInfer's cascade attention, the Hydragen
+    paper's decomposition). One position per sequence (decode): the query heads sharing a
+    K/V head are the rows of one attention against it, as in ``grouped_decode``.
+    """
+    b, heads, m, d = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    q = query.reshape(b, kv_heads, group, d) if m == 1 else query
+    out, lse = attention_lse(q, key, value, mask, scale, causal)
+    if prefix_k.shape[1]:
+        rows = query.reshape(b, kv_heads, group * m, d).transpose(0, 1)
+        p_out, p_lse = attention_lse(rows.reshape(1, kv_heads, b * group * m, d),
+                                     prefix_k[None], prefix_v[None], None, scale)
+        p_out = p_out.reshape(kv_heads, b, group * m, d).transpose(0, 1).reshape(out.shape)
+        p_lse = p_lse.reshape(kv_heads, b, group * m).transpose(0, 1).reshape(lse.shape)
+        exact = torch.promote_types(query.dtype, torch.float32)  # bf16 merges in fp32
+        out = torch.lerp(out.to(exact), p_out.to(exact),
+                         torch.sigmoid(p_lse - lse).unsqueeze(-1).to(exact))
+    return out.to(query.dtype).reshape(b, heads, m, d).transpose(1, 2)
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` ``[b, heads, m, d]`` over ``k``, ``v`` ``[b, kv_heads, n,
+    d]`` (``heads`` a multiple of ``kv_heads``), with each row's log-sum-exp of its scaled
+    scores ``[b, heads, m]``: what two attentions over two parts of the keys need to be
+    merged exactly. ``mask`` broadcasts to ``[b, heads, m, n]`` (bool: True where a key
+    counts; or additive); ``causal``: query ``i`` sees keys ``0..i`` (``m == n``).
+
+    On CPU this is torch's flash-attention kernel, which returns the log-sum-exp it keeps
+    anyway; elsewhere the same values from matrix products in fp32. Grouped K/V heads are
+    repeated first, so as not to rely on the kernel reading them in place (not checked on
+    every torch this project allows); the decode step never needs that, its query rows
+    being grouped by K/V head already.
+    """
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            ~mask, float("-inf"))
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        return _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1),
+                                    float("-inf"))
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, -1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v)
+    return out, lse
+
+
+def aligned_attention(query: torch.Tensor, positions: torch.Tensor, prefix_k: torch.Tensor,
+                      prefix_v: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scale: float, chunk: int | None = None) -> torch.Tensor:
+    """Deterministic attention of ``query`` ``[b, heads, m, head_dim]`` at absolute
+    ``positions`` ``[b, m]``: ``[b, m, heads, head_dim]``, the same bits for a query
+    whatever else is in the batch, how much of its sequence was cached and where the keys
+    were split between the shared ``prefix_k``, ``prefix_v`` ``[kv_heads, P, head_dim]``
+    (positions ``0..P-1``, ``P`` a multiple of ``chunk``) and each sequence's own ``key``,
+    ``value`` ``[b, kv_heads, n, head_dim]`` (positions ``P..P+n-1``; a query sees the keys
+    at or before its position).
+
+    The keys are cut into chunks of ``chunk`` (default ``CHUNK``) aligned to absolute
+    positions, so a key always falls in the same chunk at the same offset. In fp32: the
+    scores of a chunk are one matrix product whose reduction runs over ``head_dim`` and whose
+    rows (padded to ``MIN_ROWS``) are computed alike; the row's maximum over every visible
+    key (a maximum is exact in any order); ``exp(score - max)`` summed and multiplied into
+    the values within each chunk (fixed length: fixed order); then the chunks' sums added
+    one after the other, left to right. Chunks wholly past a query add exact zeros, so the
+    result does not depend on how many there are.
+    """
+    chunk = chunk or CHUNK
+    b, heads, m, d = query.shape
+    kv_heads, p, n = key.shape[1], prefix_k.shape[1], key.shape[2]
+    if p % chunk:
+        raise PoolError(f"aligned_attention: a shared prefix of {p} keys is not a whole "
+                        f"number of {chunk}-key chunks")
+    group, f32 = heads // kv_heads, torch.float32
+    rows = group * m
+    q = query.reshape(b, kv_heads, rows, d).to(f32)  # head h -> K/V head h // group
+    pos = positions.to(query.device)[:, None, :].expand(b, group, m).reshape(b, 1, rows)
+    if rows < MIN_ROWS:  # extra query rows (zeros, seeing every key), dropped at the end
+        q = torch.cat([q, q.new_zeros(b, kv_heads, MIN_ROWS - rows, d)], 2)
+        pos = torch.cat([pos, pos.new_full((b, 1, MIN_ROWS - rows), p + n)], 2)
+    r = q.shape[2]
+    width = -(-n // chunk) * chunk  # own keys padded to whole chunks, masked
+    ko = torch.nn.functional.pad(key.to(f32), (0, 0, 0, width - n))
+    vo = torch.nn.functional.pad(value.to(f32), (0, 0, 0, width - n))
+    ko = ko.view(b, kv_heads, width // chunk, chunk, d)
+    vo = vo.view(b, kv_heads, width // chunk, chunk, d)
+    own = torch.matmul(q[:, :, None], ko.transpose(-1, -2)) * scale  # [b, kvh, c, r, chunk]
+    key_pos = p + torch.arange(width, device=query.device).view(width // chunk, 1, chunk)
+    own.masked_fill_(key_pos > pos[:, :, None, :, None], float("-inf"))
+    top = own.amax((2, 4))  # [b, kvh, r]
+    if p:
+        pk = prefix_k.to(f32).view(kv_heads, p // chunk, chunk, d)
+        pv = prefix_v.to(f32).view(kv_heads, p // chunk, chunk, d)
+        rows_q = q.transpose(0, 1).reshape(kv_heads, 1, b * r, d)
+        pre = torch.matmul(rows_q, pk.transpose(-1, -2)) * scale  # [kvh, c, b*r, chunk]
+        top = torch.maximum(top, pre.amax((1, 3)).view(kv_heads, b, r).transpose(0, 1))
+        pre = torch.exp(pre - top.transpose(0, 1).reshape(kv_heads, 1, b * r, 1))
+        pre_sum, pre_out = pre.sum(-1), torch.matmul(pre, pv)  # [kvh, c, b*r(, d)]
+        pre_sum = pre_sum.view(kv_heads, -1, b, r).permute(2, 0, 1, 3)
+        pre_out = pre_out.view(kv_heads, -1, b, r, d).permute(2, 0, 1, 3, 4)
+    own = torch.exp(own - top[:, :, None, :, None])
+    own_sum, own_out = own.sum(-1), torch.matmul(own, vo)  # [b, kvh, c, r(, d)]
+    if p:
+        own_sum, own_out = torch.cat([pre_sum, own_sum], 2), torch.cat([pre_out, own_out], 2)
+    total, out = own_sum[:, :, 0], own_out[:, :, 0]
+    for c in range(1, own_sum.shape[2]):  # the chunks in order, left to right
+        total, out = total + own_sum[:, :, c], out + own_out[:, :, c]
+    out = (out / total[..., None])[:, :, :rows]
+    return out.reshape(b, heads, m, d).transpose(1, 2).to(query.dtype)
+
+
+
+@torch.inference_mode()
+def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Sequence,
+                  last_only: bool = True, working: WorkingKV | None = None,
+                  share_runs: bool = True, deterministic: bool = False) -> list[torch.Tensor]:
+    """Run ``model`` on the new tokens of several requests through the pool; return logits.
+
+    ``tables[r]`` already maps every position of request ``r``, including its
+    ``len(new_ids[r])`` new tokens (the last entries), whose K/V this pass writes.
+    Returns, per request, the logits of its last token (``[vocab]``) or, with
+    ``last_only=False``, of every new token (``[n_new, vocab]``). ``working``: for a
+    decode step (one new token each) of a Llama, attention reads these requests' K/V from
+    this ``WorkingKV`` instead of gathering it from the pool (other models gather).
+    ``share_runs``: a Llama's prefill computes a run of new tokens that several requests
+    begin with once (``PrefillPlan``); False computes every request's tokens itself.
+
+    ``deterministic``: the switch. A request's logits come out bit for bit the same whatever
+    is cached, whatever else is in the batch and however its tokens are split between
+    prefill and decode steps: a Llama only (ModelError otherwise), every matrix product on at
+    least ``MIN_ROWS`` rows, attention as ``aligned_attention`` in prefill, cached prefill
+    and decode alike. ``share_runs`` is ignored then (each request computes its own tokens).
+    """
+    if len(tables) != len(new_ids) or not tables:
+        raise PoolError(f"forward_paged needs one page table per request, got {len(tables)} "
+                        f"tables and {len(new_ids)} id lists")
+    ids = [as_index_tensor(x, "token ids") for x in new_ids]
+    for r, (t, x) in enumerate(zip(tables, ids, strict=True)):
+        if x.numel() == 0 or len(t) < x.numel():
+            raise PoolError(f"request {r}: {x.numel()} new tokens but a page table of {len(t)} "
+                            "positions (allocate slots for the new tokens first)")
+    if deterministic:
+        if not is_llama(model):
+            raise ModelError("deterministic mode runs transformers' Llama layer by layer; "
+                             f"{type(model).__name__} is not one")
+        if working is not None and last_only and all(x.numel() == 1 for x in ids):
+            return working.forward(model, tables, torch.cat(ids), deterministic=True)
+        return _prefill_aligned(model, pool, tables, ids, last_only)
+    if (working is not None and last_only and all(x.numel() == 1 for x in ids)
+            and is_llama(model)):
+        return working.forward(model, tables, torch.cat(ids))
+    if last_only and is_llama(model):
+        return list(_prefill_llama(model, pool, tables, ids, share_runs))
+    batch = PagedBatch.build(tables, [x.numel() for x in ids])
+    device = pool.device
+    input_ids = torch.zeros(len(ids), batch.q_len, dtype=torch.int64)
+    input_ids.view(-1)[batch.new_rows] = torch.cat(ids)
+    padded = not bool(batch.key_mask.all())
+    kwargs = {
+        "input_ids": input_ids.to(device),
+        "position_ids": batch.position_ids.to(device),
+        "attention_mask": batch.key_mask.to(device=device, dtype=torch.int64) if padded else None,
+        "use_cache": True,
+        "cache": PoolCache(pool, batch.to(device)),
+    }
+    if last_only:
+        kwargs["logits_to_keep"] = 1
+    logits = model(**kwargs).logits
+    if last_only:
+        return [logits[r, -1] for r in range(len(ids))]
+    return [logits[r, batch.q_len - x.numel():] for r, x in enumerate(ids)]
+
+
+@dataclass
+class PrefillPlan:
+    """How a Llama prefills a batch through the pool (``forward_paged``, last positions only):
+    which keys are read once for all, which new tokens are computed once, what each row is.
+
+    ``shared``: leading slots that every table holds in common and that are cached for all;
+    attention reads them once per layer for the whole batch. ``common``: new tokens that
+    the requests in ``group`` (those starting right after the shared prefix) all begin
+    with, a prompt prefix in flight and shorter than a page, so not in the tree: computed
+    once, on rows of their own, their K/V written into each of those requests' slots.
+    ``own``: the tokens each request computes itself, left-padded to the longest. The
+    forward's rows are the common run, then each request's own tokens: ``rows`` of them.
+    """
+
+    shared: int
+    common: int
+    group: list[int]
+    own: list[int]
+    input_ids: torch.Tensor   # [rows] token of every row (padding: 0)
+    positions: torch.Tensor   # [rows] its position in its request
+    new_slots: torch.Tensor   # slots receiving new K/V: the run's once per group request,
+    source: torch.Tensor      # and the row each one's K/V comes from
+    prefix: torch.Tensor      # [shared] the slots read once
+    own_slots: torch.Tensor | None  # [b, keys] each request's keys past the prefix, from
+    mask: torch.Tensor | None       # the pool, seen through this [b, 1, width, keys] additive
+                                    # mask; None: the own tokens' new K/V, causally
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def width(self) -> int:
+        return max(self.own)
+
+    @property
+    def last(self) -> torch.Tensor:
+        """The row of each request's last token, whose logits the forward returns."""
+        return self.common + torch.arange(1, len(self.own) + 1) * self.width - 1
+
+    @classmethod
+    def build(cls, tables: Sequence[PageTable], ids: Sequence[torch.Tensor],
+              dtype: torch.dtype = torch.float32, share_runs: bool = True) -> PrefillPlan:
+        """The plan for ``ids[r]``, the last ``len(ids[r])`` positions of ``tables[r]``
+        (``share_runs=False``: no common run, every request computes its own tokens)."""
+        b, num_new = len(tables), [x.numel() for x in ids]
+        starts = [len(t) - n for t, n in zip(tables, num_new, strict=True)]  # cached lengths
+        shared = _common_prefix([t.slots for t in tables], min(starts))
+        group = [r for r in range(b) if starts[r] == shared]
+        common = _common_prefix([ids[r] for r in group], min(num_new[r] for r in group) - 1) \
+            if share_runs and len(group) > 1 else 0
+        if not common:
+            group = []
+        own = [n - common * (r in group) for r, n in enumerate(num_new)]
+        m = max(own)
+        input_ids = torch.zeros(common + b * m, dtype=torch.int64)
+        positions = torch.zeros(common + b * m, dtype=torch.int64)
+        if common:
+            input_ids[:common] = ids[group[0]][:common]
+            positions[:common] = torch.arange(shared, shared + common)
+        own_ids, own_pos = input_ids[common:].view(b, m), positions[common:].view(b, m)
+        real = torch.arange(m) >= m - torch.tensor(own)[:, None]
+        for r, (t, x) in enumerate(zip(tables, ids, strict=True)):
+            own_ids[r, m - own[r]:] = x[x.numel() - own[r]:]
+            own_pos[r, m - own[r]:] = torch.arange(len(t) - own[r], len(t))
+        new_slots = torch.cat([tables[r].slots[shared:shared + common] for r in group]
+                              + [t.slots[len(t) - n:] for t, n in zip(tables, own, strict=True)])
+        source = torch.cat([torch.arange(common).repeat(len(group)),
+                            common + real.view(-1).nonzero()[:, 0]])
+        own_slots = mask = None
+        if common or any(s != shared for s in starts) or len(set(own)) > 1:
+            # Keys past the prefix come from the pool, left-padded; who sees which.
+            longest = max(len(t) for t in tables)
+            width = longest - shared
+            own_slots = torch.zeros(b, width, dtype=torch.int64)
+            key_pos = torch.full((b, width), -1, dtype=torch.int64)
+            for r, t in enumerate(tables):
+                own_slots[r, width - len(t) + shared:] = t.slots[shared:]
+                key_pos[r, width - len(t) + shared:] = torch.arange(shared, len(t))
+            query_pos = torch.where(real, own_pos, longest)  # a padding row sees every key
+            sees = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= query_pos[:, :, None])
+            mask = torch.zeros(b, 1, m, width, dtype=dtype).masked_fill_(~sees[:, None],
+                                                                        float("-inf"))
+        return cls(shared, common, group, own, input_ids, positions, new_slots, source,
+                   tables[0].slots[:shared], own_slots, mask)
+
+
+def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
+                   ids: Sequence[torch.Tensor], share_runs: bool = True) -> torch.Tensor:
+    """``forward_paged`` for a Llama, last positions only: ``llama_forward`` over the rows
+    of a ``PrefillPlan``, attention split at the shared prefix (``shared_prefix_attention``).
+
+    Each layer writes the new K/V to the pool first (the common run's into every one of its
+    requests' slots), then the run attends to the prefix and causally to itself, and each
+    request's own tokens attend to the prefix and to their own keys: the new K/V themselves
+    when nothing else lies past the prefix, else gathered from the pool behind the mask.
+    """
+    device, b = pool.device, len(tables)
+    plan = PrefillPlan.build(tables, ids, pool.dtype, share_runs)
+    common, m = plan.common, plan.width
+    new_slots, source, prefix = (plan.new_slots.to(device), plan.source.to(device),
+                                 plan.prefix.to(device))
+    own = None if plan.own_slots is None else plan.own_slots.view(-1).to(device)
+    mask = None if plan.mask is None else plan.mask.to(device)
+    kv_heads, head_dim = pool.kv_heads, pool.head_dim
+
+    def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
+        # q [1, heads, rows, head_dim], k and v [1, kv_heads, rows, head_dim]
+        rows_k, rows_v = k[0].transpose(0, 1), v[0].transpose(0, 1)
+        pool.write(layer, new_slots, rows_k.index_select(0, source),
+                   rows_v.index_select(0, source))
+        pk = pool.k[layer].index_select(0, prefix).transpose(0, 1)
+        pv = pool.v[layer].index_select(0, prefix).transpose(0, 1)
+        heads, out = q.shape[1], []
+        if common:
+            out.append(shared_prefix_attention(q[:, :, :common], pk, pv, k[:, :, :common],
+                                               v[:, :, :common], None, scale, causal=True))
+        qo = q[0, :, common:].reshape(heads, b, m, head_dim).transpose(0, 1)
+        if own is None:
+            ko = k[0, :, common:].reshape(kv_heads, b, m, head_dim).transpose(0, 1)
+            vo = v[0, :, common:].reshape(kv_heads, b, m, head_dim).transpose(0, 1)
+        else:
+            ko = pool.k[layer].index_select(0, own).view(b, -1, kv_heads, head_dim)
+            vo = pool.v[layer].index_select(0, own).view(b, -1, kv_heads, head_dim)
+            ko, vo = ko.transpose(1, 2), vo.transpose(1, 2)
+        out.append(shared_prefix_attention(qo, pk, pv, ko, vo, mask, scale, causal=own is None))
+        out = [o.reshape(1, -1, heads * head_dim) for o in out]
+        return torch.cat(out, 1) if common else out[0]
+
+    return llama_forward(model, plan.input_ids.view(1, -1).to(device),
+                         plan.positions.view(1, -1).to(device), attend, plan.last.to(device))
+
+
+def _prefill_aligned(model, pool: KVPool, tables: Sequence[PageTable],
+                     ids: Sequence[torch.Tensor], last_only: bool) -> list[torch.Tensor]:
+    """``forward_paged`` in deterministic mode: every request's new tokens, one after the
+    other, as the rows of one ``llama_forward``, attention by ``aligned_attention``.
+
+    The keys every request holds in common, cut at a whole chunk, are read once; the rest
+    of each request's keys (its cached part past that, then its new tokens, whose K/V each
+    layer writes first) are gathered from the pool, each starting at the cut.
+    """
+    device, b = pool.device, len(tables)
+    num_new = [x.numel() for x in ids]
+    starts = [len(t) - n for t, n in zip(tables, num_new, strict=True)]
+    cut = _common_prefix([t.slots for t in tables], min(starts)) // CHUNK * CHUNK
+    m, width = max(num_new), max(len(t) for t in tables) - cut
+    where = torch.zeros(b, m, dtype=torch.int64)  # flat row of each request's j-th new token
+    positions = torch.full((b, m), cut + width, dtype=torch.int64)  # padding: sees all
+    own_slots = torch.zeros(b, width, dtype=torch.int64)
+    offsets = torch.tensor([0, *num_new]).cumsum(0)
+    for r, (t, n) in enumerate(zip(tables, num_new, strict=True)):
+        where[r, :n] = torch.arange(offsets[r], offsets[r] + n)
+        positions[r, :n] = torch.arange(starts[r], len(t))
+        own_slots[r, :len(t) - cut] = t.slots[cut:]
+    real = (torch.arange(m) < torch.tensor(num_new)[:, None]).view(-1).nonzero()[:, 0]
+    flat_pos = torch.cat([torch.arange(s, len(t)) for s, t in zip(starts, tables, strict=True)])
+    new_slots = torch.cat([t.slots[s:] for s, t in zip(starts, tables, strict=True)]).to(device)
+    prefix = tables[0].slots[:cut].to(device)
+    own = own_slots.view(-1).to(device)
+    where, positions, real = where.to(device), positions.to(device), real.to(device)
+    kv_heads, head_dim = pool.kv_heads, pool.head_dim
+
+    def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
+        # q [1, heads, rows, head_dim], k and v [1, kv_heads, rows, head_dim]
+        pool.write(layer, new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        pk = pool.k[layer].index_select(0, prefix).transpose(0, 1)
+        pv = pool.v[layer].index_select(0, prefix).transpose(0, 1)
+        ko = pool.k[layer].index_select(0, own).view(b, width, kv_heads, head_dim)
+        vo = pool.v[layer].index_select(0, own).view(b, width, kv_heads, head_dim)
+        qb = q[0].index_select(1, where.view(-1)).view(q.shape[1], b, m, head_dim)
+        out = aligned_attention(qb.transpose(0, 1), positions, pk, pv, ko.transpose(1, 2),
+                                vo.transpose(1, 2), scale)  # [b, m, heads, head_dim]
+        return out.reshape(b * m, -1).index_select(0, real)[None]
+
+    ids_flat = torch.cat(list(ids)).view(1, -1).to(device)
+    rows = offsets[1:] - 1 if last_only else torch.arange(int(offsets[-1]))
+    logits = llama_forward(model, ids_flat, flat_pos.view(1, -1).to(device), attend,
+                           rows.to(device), deterministic=True)
+    if last_only:
+        return list(logits)
+    return [logits[offsets[r]:offsets[r + 1]] for r in range(b)]
+
+
+# ---------------------------------------------------------------------------
+# Decode without gathering: the running batch's K/V kept contiguous between steps.
+
+
+class WorkingKV:
+    """Running requests' K/V between decode steps: the prefix they all share once, then one
+    contiguous row each for the rest, grown by one position per step.
+
+    ``PoolLayer`` gathers every position of every request from the pool in every layer of
+    every step. Here a request's K/V is filled from the pool once, when it joins the decode
+    batch: the leading positions whose slots every running request shares (a prefix cached
+    in the tree) into ``prefix_k``/``prefix_v`` ``[layers, kv_heads, shared, head_dim]``,
+    the rest into its row of ``k``/``v`` ``[layers, rows, kv_heads, positions, head_dim]``.
+    Each step writes the new token's K/V to its pool slot (the pool stays the source of
+    truth) *and* appends it to the row; attention reads the prefix once for the whole batch
+    and each row where it lies (``shared_prefix_attention``). Rows are keyed by the
+    ``PageTable`` object; a row whose slots no longer match its table is refilled from the
+    pool, and a request that does not share the whole stored prefix starts it over.
+    """
+
+    def __init__(self, pool: KVPool, grow: int = 256) -> None:
+        self.pool, self.grow = pool, grow
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop the prefix and every row and give the memory back."""
+        p = self.pool
+        self.tables: list[PageTable] = []   # the request each row belongs to
+        self.slots: list[torch.Tensor] = []  # the slots each request holds here, in order
+        self.prefix_slots = torch.zeros(0, dtype=torch.int64)
+        self.prefix_k = torch.zeros(p.num_layers, p.kv_heads, 0, p.head_dim, dtype=p.dtype,
+                                    device=p.device)
+        self.prefix_v = torch.zeros_like(self.prefix_k)
+        self.k = torch.zeros(p.num_layers, 0, p.kv_heads, 0, p.head_dim, dtype=p.dtype,
+                             device=p.device)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def shared(self) -> int:
+        """Positions held once, in the prefix, for every row."""
+        return int(self.prefix_slots.numel())
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Positions each row's request holds here (the shared prefix included)."""
+        return torch.tensor([s.numel() for s in self.slots], dtype=torch.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the prefix and the rows occupy (allocated, including room to grow)."""
+        return 2 * (self.k.numel() + self.prefix_k.numel()) * self.k.element_size()
+
+    def check(self, tables: Sequence[PageTable]) -> None:
+        """PoolError unless the prefix and every row serving one of ``tables`` (and still
+        matching its slots) hold exactly the pool's K/V at those slots."""
+        live = {id(t) for t in tables}
+        parts = [(f"row {r}", self.k[:, r], self.v[:, r], s[self.shared:])
+                 for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True))
+                 if id(t) in live and torch.equal(t.slots[:s.numel()], s)]
+        if parts:  # else the next step starts over: nothing here is read again
+            parts.append(("prefix", self.prefix_k, self.prefix_v, self.prefix_slots))
+        for what, k, v, slots in parts:  # rows not checked are refilled before use
+            idx = slots.to(self.pool.device)
+            for name, held in (("k", k), ("v", v)):
+                pool = getattr(self.pool, name)[:, idx].transpose(1, 2)
+                if not torch.equal(held[:, :, :slots.numel()], pool):
+                    raise PoolError(f"working {name} {what} differs from the pool at its "
+                                    "slots: the pool is the source of truth")
+
+    def sync(self, tables: Sequence[PageTable], align: int = 1) -> list[int]:
+        """The prefix and rows for exactly ``tables`` (each holding all positions but its
+        last, the new token's); returns, per row, the index in ``tables`` it serves.
+        ``align``: the prefix is a whole number of ``align`` positions (deterministic mode)."""
+        index = {id(t): i for i, t in enumerate(tables)}
+        keep = [r for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True))
+                if id(t) in index and torch.equal(t.slots[:s.numel()], s)
+                and s.numel() == len(t) - 1]
+        if (not keep or _shared_length(tables, self.shared) < self.shared
+                or self.shared % align):
+            self._start_prefix(tables, align)  # no row to keep, or the prefix is not everyone's
+            keep = []
+        if keep != list(range(len(self.tables))):  # compact: kept rows first, in order
+            rows = torch.tensor(keep, dtype=torch.int64, device=self.k.device)
+            self.k[:, :len(keep)] = self.k[:, rows]
+            self.v[:, :len(keep)] = self.v[:, rows]
+            self.tables = [self.tables[r] for r in keep]
+            self.slots = [self.slots[r] for r in keep]
+        have = {id(t) for t in self.tables}
+        new = [t for t in tables if id(t) not in have]
+        self._reserve(len(self.tables) + len(new), max(len(t) for t in tables) - self.shared)
+        for t in new:  # the one gather per request: every position it has past the prefix
+            r, old = len(self.tables), t.slots[self.shared:-1]
+            idx = old.to(self.pool.device)
+            self.k[:, r, :, :old.numel()] = self.pool.k[:, idx].transpose(1, 2)
+            self.v[:, r, :, :old.numel()] = self.pool.v[:, idx].transpose(1, 2)
+            self.tables.append(t)
+            self.slots.append(t.slots[:-1])
+        return [index[id(t)] for t in self.tables]
+
+    def _start_prefix(self, tables: Sequence[PageTable], align: int = 1) -> None:
+        """Drop every row; hold the positions every one of ``tables`` shares as the prefix
+        (cut to a multiple of ``align``)."""
+        slots = tables[0].slots[:_shared_length(tables) // align * align]
+        self.clear()
+        idx = slots.to(self.pool.device)
+        self.prefix_slots = slots
+        self.prefix_k = self.pool.k[:, idx].transpose(1, 2).contiguous()
+        self.prefix_v = self.pool.v[:, idx].transpose(1, 2).contiguous()
+
+    def _reserve(self, rows: int, positions: int) -> None:
+        """Room for ``rows`` rows of ``positions`` positions (regrown in steps of ``grow``)."""
+        _, have_rows, _, have_pos, _ = self.k.shape
+        if rows <= have_rows and positions <= have_pos:
+            return
+        rows, positions = max(rows, have_rows), max(positions, have_pos)
+        positions = -(-positions // self.grow) * self.grow
+        used = max((s.numel() - self.shared for s in self.slots), default=0)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            grown = old.new_zeros(old.shape[0], rows, old.shape[2], positions, old.shape[4])
+            grown[:, :len(self.tables), :, :used] = old[:, :len(self.tables), :, :used]
+            setattr(self, name, grown)
+
+    def forward(self, model, tables: Sequence[PageTable], tokens: torch.Tensor,
+                deterministic: bool = False) -> list[torch.Tensor]:
+        """One decode step: ``tokens[i]`` is the new token of ``tables[i]`` (its last
+        position). Returns each request's next-token logits, in ``tables`` order.
+
+        The model runs as ``llama_forward``: in each layer, ``attend`` writes the new K/V onto
+        the end of each row, then attends over the prefix and the rows; after the last layer
+        the new K/V of all layers go into their pool slots in one copy.
+        """
+        order = self.sync(tables, CHUNK if deterministic else 1)
+        n, device = len(order), self.pool.device
+        lengths = self.lengths
+        own = lengths - self.shared  # row positions in use before this step
+        width = int(own.max()) + 1
+        new_slots = torch.stack([tables[i].slots[-1] for i in order]).to(device)
+        if bool((own == width - 1).all()):  # rows of one length: one column, no mask
+            rows, column, mask = slice(0, n), width - 1, None
+        else:
+            rows, column = torch.arange(n, device=device), own.to(device)
+            mask = torch.zeros(n, 1, 1, width, dtype=self.pool.dtype, device=device)
+            mask.masked_fill_((torch.arange(width) > own[:, None]).view(n, 1, 1, width)
+                              .to(device), float("-inf"))
+
+        def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
+            keys, values = self.k[layer], self.v[layer]
+            keys[rows, :, column] = k[:, :, 0]
+            values[rows, :, column] = v[:, :, 0]
+            if deterministic:
+                out = aligned_attention(q, lengths.view(n, 1), self.prefix_k[layer],
+                                        self.prefix_v[layer], keys[:n, :, :width],
+                                        values[:n, :, :width], scale)
+            else:
+                out = shared_prefix_attention(q, self.prefix_k[layer], self.prefix_v[layer],
+                                              keys[:n, :, :width], values[:n, :, :width],
+                                              mask, scale)
+            return out.reshape(n, 1, -1)
+
+        logits = llama_forward(model, tokens[order].view(n, 1).to(device),
+                               lengths.view(n, 1).to(device), attend,
+                               deterministic=deterministic)
+        # The new K/V of every layer, now in the rows, into their pool slots in one copy.
+        k_new, v_new = self.k[:, rows, :, column], self.v[:, rows, :, column]
+        if mask is not None:  # advanced indices around a slice: their dimension comes first
+            k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)
+        self.pool.k.index_copy_(1, new_slots, k_new)
+        self.pool.v.index_copy_(1, new_slots, v_new)
+        for r, i in enumerate(order):
+            self.slots[r] = tables[i].slots
+        out: list[torch.Tensor] = [logits[0]] * n
+        for r, i in enumerate(order):
+            out[i] = logits[r]
+        return out
+
+
+def _shared_length(tables: Sequence[PageTable], limit: int | None = None) -> int:
+    """How many leading slots all ``tables`` have in common, not counting each one's last
+    position (its new token), up to ``limit``."""
+    n = min(len(t) for t in tables) - 1
+    return _common_prefix([t.slots for t in tables], n if limit is None else min(n, limit))
+
+
+def _common_prefix(seqs: Sequence[torch.Tensor], limit: int) -> int:
+    """How many leading entries all ``seqs`` (1-D tensors) have in common, at most ``limit``."""
+    n = max(limit, 0)
+    first = seqs[0][:n]
+    same = torch.ones(n, dtype=torch.bool)
+    for x in seqs[1:]:
+        same &= x[:n] == first
+    return n if bool(same.all()) else int((~same).nonzero()[0])

@@ -1,0 +1,251 @@
+"""The forward pass over pooled K/V (``minirt.forward``): split attention, the layer-by-layer
+Llama forward, and the deterministic mode."""
+
+from __future__ import annotations
+
+from functools import cache
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minirt.forward as forward
+from minirt.errors import ModelError, PoolError
+from minirt.forward import (
+    WorkingKV,
+    aligned_attention,
+    attention_lse,
+    forward_paged,
+    is_llama,
+    llama_forward,
+    shared_prefix_attention,
+)
+from minirt.model import fuse_projections, load_model, tiny_model
+from minirt.pool import KVPool, PageTable
+
+
+@pytest.mark.parametrize("kernel", ["cpu flash", "matrix products"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_attention_split_at_a_shared_prefix_is_whole_attention(monkeypatch, kernel, m):
+    """``shared_prefix_attention``: a prefix read once for the batch, each sequence's own keys
+    (ragged, behind a mask, or causal), merged through their log-sum-exps, equals one
+    softmax over the whole keys; ``attention_lse``'s log-sum-exp is the scores' own, on
+    torch's CPU kernel and on the matrix-product path other devices take."""
+    import minirt.forward as forward_module
+
+    if kernel == "matrix products":
+        monkeypatch.setattr(forward_module, "_FLASH_CPU", None)
+    gen = torch.Generator().manual_seed(4)
+    b, heads, kv_heads, d, p, n = 3, 6, 2, 8, 7, 9
+    q = torch.randn(b, heads, m, d, generator=gen)
+    pk, pv = torch.randn(2, kv_heads, p, d, generator=gen)
+    k, v = torch.randn(2, b, kv_heads, n, d, generator=gen)
+    whole_k = torch.cat([pk.expand(b, -1, -1, -1), k], 2)
+    whole_v = torch.cat([pv.expand(b, -1, -1, -1), v], 2)
+    own_pos = torch.arange(n) - (n - m)  # query j sits at own key n - m + j
+    causal = own_pos[None, :] <= torch.arange(m)[:, None]
+    ragged = (torch.arange(n) >= torch.tensor([0, 2, 4])[:, None])[:, None, None]  # [b,1,1,n]
+    square = torch.randn(b, heads, n, d, generator=gen)  # every own position a query
+    for query, own_mask, is_causal in [(q, None, False), (q, ragged & causal, False),
+                                       (square, None, True)]:
+        rows = query.shape[2]
+        sees = torch.ones(b, 1, rows, n, dtype=torch.bool).tril() if is_causal else \
+            torch.ones(b, 1, rows, n, dtype=torch.bool) if own_mask is None else own_mask
+        whole_mask = torch.cat([torch.ones(b, 1, rows, p, dtype=torch.bool),
+                                sees.expand(b, 1, rows, n)], -1)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query, whole_k, whole_v, attn_mask=whole_mask, scale=0.3, enable_gqa=True)
+        got = shared_prefix_attention(query, pk, pv, k, v, own_mask, 0.3, causal=is_causal)
+        torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+        half = shared_prefix_attention(*(t.bfloat16() for t in (query, pk, pv, k, v)),
+                                       own_mask, 0.3, causal=is_causal)  # as on a GPU
+        assert half.dtype == torch.bfloat16
+        torch.testing.assert_close(half.float(), got, rtol=0.05, atol=0.05)
+    scores = (q @ k.repeat_interleave(3, 1).transpose(-1, -2)) * 0.3
+    _, lse = attention_lse(q, k, v, ragged, 0.3)
+    want_lse = torch.logsumexp(scores.masked_fill(~ragged, float("-inf")), -1)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    out, _ = attention_lse(square, k, v, None, 0.3, causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(square, k, v, is_causal=True,
+                                                            scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["tiny_model", "default model"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_llama_forward_gives_the_models_logits(which, fused):
+    """The layer-by-layer forward with attention handed to the caller: transformers'
+    logits at the last position within fp32 rounding, fused or not, for a batch of rows."""
+    model = tiny_model(6) if which == "tiny_model" else load_model(device="cpu")[0]
+    if fused:
+        fuse_projections(model)
+    assert is_llama(model)
+    ids = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(2))
+    seen = []
+
+    def attend(layer, q, k, v, scale):  # plain causal attention over the new positions
+        seen.append(layer)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).flatten(2)
+
+    positions = torch.arange(20).expand(3, 20)
+    with torch.inference_mode():
+        got = llama_forward(model, ids, positions, attend)
+        want = model(ids).logits[:, -1]
+    assert seen == list(range(model.config.num_hidden_layers))
+    assert got.shape == want.shape == (3, model.config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_forward_norm_and_rope_are_transformers_own_bit_for_bit():
+    """``_rms_norm`` (one torch call) and ``_rope`` (a roll instead of ``rotate_half``) give
+    transformers' ``LlamaRMSNorm`` and ``apply_rotary_pos_emb`` exactly, in fp32."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from minirt.forward import _rms_norm, _rope, _rope_tables
+
+    model = tiny_model(5)
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 7, model.config.hidden_size, generator=gen)
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.normal_(generator=gen)
+        assert torch.equal(_rms_norm(norm, h), norm(h))
+        q = torch.randn(2, 7, 4, 16, generator=gen)  # [b, t, heads, head_dim]
+        k = torch.randn(2, 7, 2, 16, generator=gen)
+        cos, sin = model.model.rotary_emb(h, torch.arange(3, 10).expand(2, 7))
+        want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        tables = _rope_tables(cos, sin)
+        assert torch.equal(_rope(q, *tables).transpose(1, 2), want_q)
+        assert torch.equal(_rope(k, *tables).transpose(1, 2), want_k)
+
+
+def test_is_llama_only_for_llama_layers():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert is_llama(tiny_model(0))
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert not is_llama(gpt2)
+
+
+# ---------------------------------------------------------------- the deterministic mode
+
+@cache
+def _tiny(dtype: torch.dtype):
+    model = tiny_model(3).to(dtype)
+    fuse_projections(model)  # as the engine runs it: fp32 GEMMs on prepacked weights
+    return model
+
+
+def _alone(model, prompt: torch.Tensor, deterministic: bool = True) -> torch.Tensor:
+    """One request's uncached pass, by itself, in a fresh pool: its last logits."""
+    pool = KVPool.for_model(model, 256)
+    return forward_paged(model, pool, [PageTable(pool.alloc(prompt.numel()))], [prompt],
+                         deterministic=deterministic)[0]
+
+
+def _served(model, data, deterministic: bool):
+    """Random prompts sharing random prefixes, random cached lengths, one batched prefill
+    and one batched decode step: (prompts, the next tokens, prefill logits, decode logits)."""
+    ids = st.integers(0, 127)
+    bases = [torch.tensor(data.draw(st.lists(ids, min_size=0, max_size=60)), dtype=torch.int64)
+             for _ in range(2)]
+    pool = KVPool.for_model(model, 1024)
+    base_tables = []
+    for base in bases:  # what the tree holds: each base prefix, computed once
+        table = PageTable(pool.alloc(base.numel()))
+        if base.numel():
+            forward_paged(model, pool, [table], [base], deterministic=deterministic)
+        base_tables.append(table)
+    prompts, tables, new = [], [], []
+    for _ in range(data.draw(st.integers(1, 5))):
+        which = data.draw(st.integers(0, 1))
+        cut = data.draw(st.integers(0, bases[which].numel()))
+        suffix = torch.tensor(data.draw(st.lists(ids, min_size=1, max_size=20)))
+        prompt = torch.cat([bases[which][:cut], suffix])
+        cached = data.draw(st.integers(0, cut))  # how much of the shared part is reused
+        slots = torch.cat([base_tables[which].slots[:cached], pool.alloc(prompt.numel() - cached)])
+        prompts.append(prompt)
+        tables.append(PageTable(slots))
+        new.append(prompt[cached:])
+    order = data.draw(st.permutations(range(len(prompts))))  # any batch order
+    got = forward_paged(model, pool, [tables[i] for i in order], [new[i] for i in order],
+                        deterministic=deterministic)
+    prefill = [got[order.index(r)] for r in range(len(prompts))]
+    nxt = [int(lg.argmax()) for lg in prefill]
+    for t in tables:
+        t.append(pool.alloc(1))
+    working = WorkingKV(pool)
+    decode = forward_paged(model, pool, tables, [torch.tensor([x]) for x in nxt],
+                           working=working, deterministic=deterministic)
+    return prompts, nxt, prefill, decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_deterministic_logits_are_one_requests_uncached_pass(dtype, data):
+    """The mode's promise, bit for bit: whatever is cached (random prefixes shared at random
+    lengths), whatever else is in the batch and in whatever order, prefill logits and the
+    next decode step's equal one request's uncached pass by itself, in fp32 and bf16.
+    Chunks of 16 keys, so that 60-token prefixes cross chunk boundaries."""
+    model = _tiny(dtype)
+    with mock.patch.object(forward, "CHUNK", 16):
+        prompts, nxt, prefill, decode = _served(model, data, deterministic=True)
+        for prompt, token, lg, dec in zip(prompts, nxt, prefill, decode, strict=True):
+            assert torch.equal(lg, _alone(model, prompt))
+            assert torch.equal(dec, _alone(model, torch.cat([prompt, torch.tensor([token])])))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_default_mode_stays_within_its_tolerance(dtype, data):
+    """Without the switch, the cache and the batch move logits by rounding only: within
+    1e-4 in fp32, within 0.05 in bf16 (where they need not be equal bitwise)."""
+    model = _tiny(dtype)
+    prompts, nxt, prefill, decode = _served(model, data, deterministic=False)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for prompt, token, lg, dec in zip(prompts, nxt, prefill, decode, strict=True):
+        torch.testing.assert_close(lg.float(), _alone(model, prompt, False).float(),
+                                   rtol=tol, atol=tol)
+        longer = torch.cat([prompt, torch.tensor([token])])
+        torch.testing.assert_close(dec.float(), _alone(model, longer, False).float(),
+                                   rtol=tol, atol=tol)
+
+
+def test_aligned_attention_is_softmax_attention():
+    """``aligned_attention`` computes ordinary causal softmax attention (within fp32
+    rounding), whichever split between shared prefix and own keys it is handed."""
+    gen = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, d, n = 2, 4, 2, 16, 50
+    q = torch.randn(b, heads, 5, d, generator=gen)
+    k, v = torch.randn(2, 1, kv_heads, n, d, generator=gen).expand(2, b, -1, -1, -1)
+    positions = torch.tensor([[40, 41, 42, 43, 44], [45, 46, 47, 48, 49]])
+    sees = torch.arange(n) <= positions[:, None, :, None]  # [b, 1, m, n]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=sees, scale=0.25, enable_gqa=True).transpose(1, 2)
+    for cut in (0, 16, 32):
+        got = aligned_attention(q, positions, k[0, :, :cut], v[0, :, :cut], k[:, :, cut:],
+                                v[:, :, cut:], 0.25, chunk=16)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if cut:
+            assert torch.equal(got, aligned_attention(
+                q, positions, k[0, :, :0], v[0, :, :0], k, v, 0.25, chunk=16))
+    with pytest.raises(PoolError, match="whole number of 16-key chunks"):
+        aligned_attention(q, positions, k[0, :, :10], v[0, :, :10], k[:, :, 10:],
+                          v[:, :, 10:], 0.25, chunk=16)
+
+
+def test_deterministic_mode_needs_a_llama():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
+    pool = KVPool.for_model(gpt2, 16)
+    table = PageTable(pool.alloc(3))
+    with pytest.raises(ModelError, match="not one"):
+        forward_paged(gpt2, pool, [table], [torch.tensor([1, 2, 3])], deterministic=True)
+    assert pool.num_free == 13  # nothing else changed
