@@ -444,8 +444,7 @@ class WindowRadixCache:
         freed_full: list[int] = []
         freed_window: list[int] = []
         while len(freed_window) < window:
-            victim = min((n for n in self.nodes() if n.window_value is not None
-                          and n.ref_count == 0), key=lambda n: (n.last_access, -n.id))
+            victim = self._oldest(lambda n: n.window_value is not None and n.ref_count == 0)
             if victim.is_leaf():
                 self._remove_leaf(victim, freed_full, freed_window)
             else:
@@ -453,10 +452,23 @@ class WindowRadixCache:
                 self.tombstoned_tokens += victim.length
                 victim.window_value = None
         while len(freed_full) < full:
-            victim = min((n for n in self.nodes() if n.is_leaf() and n.ref_count == 0),
-                         key=lambda n: (n.last_access, -n.id))
+            victim = self._oldest(lambda n: n.is_leaf() and n.ref_count == 0)
             self._remove_leaf(victim, freed_full, freed_window)
         return freed_full, freed_window
+
+    def _oldest(self, eligible) -> WindowNode:
+        """The least recently used eligible node. A path touched at once counts its parent
+        as older than its child (SGLang stamps decreasing times up the path), so a window
+        eviction tombstones a shared inner node before the leaf last used through it."""
+        best, best_key = None, None
+        stack = [(c, c.length) for c in self.root.children.values()]
+        while stack:
+            node, depth = stack.pop()
+            if eligible(node) and (best_key is None or (node.last_access, depth) < best_key):
+                best, best_key = node, (node.last_access, depth)
+            stack.extend((c, depth + c.length) for c in node.children.values())
+        assert best is not None, "evictable tokens counted but no eligible node"
+        return best
 
     def _remove_leaf(self, node: WindowNode, freed_full: list[int],
                      freed_window: list[int]) -> None:
