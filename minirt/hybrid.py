@@ -132,14 +132,16 @@ def with_sliding_window(model, spec: HybridSpec):
 
 @torch.no_grad()
 def greedy_uncached(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    """Greedy tokens from transformers' own forward over the whole sequence, every step:
-    no cache at all, the window applied by transformers' mask. The reference."""
+    """Greedy tokens from transformers alone: its own forward, masks and per-request cache
+    (which keeps a window layer's last ``W - 1`` positions), nothing shared between
+    requests and no minirt code on the path. The reference."""
     device = next(model.parameters()).device
-    ids, out = list(prompt), []
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor([ids], device=device)).logits[0, -1]
-        out.append(int(logits.argmax()))
-        ids.append(out[-1])
+    step = model(torch.tensor([list(prompt)], device=device), use_cache=True)
+    out = [int(step.logits[0, -1].argmax())]
+    while len(out) < max_new_tokens:
+        step = model(torch.tensor([[out[-1]]], device=device),
+                     cache=step.cache, use_cache=True)
+        out.append(int(step.logits[0, -1].argmax()))
     return out
 
 
