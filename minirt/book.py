@@ -37,6 +37,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),
     9: ("tiers", "router"),
+    11: ("hybrid", "state"),
 }
 
 

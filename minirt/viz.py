@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from .lifecycle import Lifecycle
 
 __all__ = ["STYLE", "TIER_STYLE", "LifecycleState", "draw_designs", "draw_tier_tree", "draw_tree",
-           "node_state", "path_to_root", "pool_map_html", "pool_map_text", "tier_tree_text",
-           "tree_dict", "tree_nodes", "tree_text"]
+           "draw_window_tree", "node_state", "path_to_root", "pool_map_html", "pool_map_text",
+           "tier_tree_text", "tree_dict", "tree_nodes", "tree_text"]
 
 # Colours and shapes, in one place so the legend always matches the drawing.
 STYLE: dict[str, dict[str, str]] = {
@@ -396,3 +396,44 @@ def pool_map_html(labels: Sequence[str]) -> str:
                      f"font-family:monospace;font-size:11px' title='{x}'>p{i}<br>"
                      f"{x if x not in _POOL_COLOURS else x[0]}</td>")
     return "<table style='border-collapse:collapse'><tr>" + "".join(cells) + "</tr></table>"
+
+
+WINDOW_STYLE: dict[str, dict[str, str]] = {
+    "live": {"shape": "box", "style": "rounded,filled", "fillcolor": "#c6dbef"},
+    "tombstone": {"shape": "box", "style": "rounded,filled,dashed", "fillcolor": "#f0f0f0",
+                  "fontcolor": "#555555"},
+    "locked": {"color": "#e6550d", "penwidth": "2"},
+}
+
+
+def draw_window_tree(cache: Any, tokenizer: Any = None, max_tokens: int = 6) -> graphviz.Digraph:
+    """A ``hybrid.WindowRadixCache`` drawn: live nodes (full and window K/V) blue,
+    tombstones (full K/V only) grey and dashed, locked nodes outlined. Children in key
+    order, nodes named by traversal order: a deterministic ``.source``."""
+    graph = graphviz.Digraph("window_tree")
+    graph.attr(fontname="Helvetica", fontsize="11")
+    graph.attr("node", fontname="Helvetica", fontsize="10")
+    graph.attr("edge", arrowsize="0.6")
+    graph.node("n0", "root", **STYLE["root"])
+    stack, count = [(cache.root, "n0")], 1
+    while stack:
+        node, name = stack.pop()
+        below = []
+        for key in sorted(node.children):
+            child = node.children[key]
+            cname, count = f"n{count}", count + 1
+            kind = "tombstone" if child.window_value is None else "live"
+            tokens = (_text(tokenizer, child.key, max_tokens) if tokenizer
+                      else _shorten_ids(child.key, max_tokens))
+            window = ("window: tombstone" if child.window_value is None
+                      else "window " + _shorten_ids(child.window_value, max_tokens, "w"))
+            lines = [tokens, "full " + _shorten_ids(child.value, max_tokens, "f"), window,
+                     f"ref={child.ref_count}"]
+            attrs = dict(WINDOW_STYLE[kind])
+            if child.ref_count:
+                attrs.update(WINDOW_STYLE["locked"])
+            graph.node(cname, "\\n".join(_escape(ln) for ln in lines), **attrs)
+            graph.edge(name, cname)
+            below.append((child, cname))
+        stack.extend(reversed(below))
+    return graph
