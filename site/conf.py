@@ -27,7 +27,8 @@ root_doc = "README"
 include_patterns = ["README.md", "chapters/*.ipynb", "exercises/*.ipynb",
                     "solutions/*.ipynb", "site/*.md"]
 exclude_patterns = ["_build", ".venv*", "**/.ipynb_checkpoints"]
-extensions = ["myst_nb"]
+extensions = ["myst_nb", "sphinx_copybutton"]
+copybutton_exclude = ".linenos, .gp"  # line numbers and prompts are not copied
 smartquotes = False  # `--flags` stay two hyphens, quotes stay straight
 suppress_warnings = ["myst.header", "misc.highlighting_failure"]  # chapters start at "#" and may skip a level
 
@@ -55,6 +56,7 @@ MATHJAX_PARTS = ("MathJax.js", "config/TeX-AMS_CHTML-full.js", "config/Safe.js",
 
 html_theme = "sphinx_book_theme"
 html_title = "minirt"
+html_favicon = "_static/favicon.svg"  # else the browser asks for /favicon.ico (a 404)
 html_static_path = ["_static", "_vendor"]
 html_css_files = ["book.css"]
 html_js_files = [("book.js", {"priority": 100})]  # before the widget JS (500)
