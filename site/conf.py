@@ -30,7 +30,8 @@ exclude_patterns = ["_build", ".venv*", "**/.ipynb_checkpoints"]
 extensions = ["myst_nb", "sphinx_copybutton"]
 copybutton_exclude = ".linenos, .gp"  # line numbers and prompts are not copied
 smartquotes = False  # `--flags` stay two hyphens, quotes stay straight
-suppress_warnings = ["myst.header", "misc.highlighting_failure"]  # chapters start at "#" and may skip a level
+# Chapters start at "#" and may skip a level; a few exercise listings hold "?" placeholders.
+suppress_warnings = ["myst.header", "misc.highlighting_failure"]
 
 # myst-nb: render the stored outputs only.
 nb_execution_mode = "off"

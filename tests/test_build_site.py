@@ -6,8 +6,8 @@ need only Sphinx and run in seconds.
 
 from __future__ import annotations
 
-import hashlib
 import base64
+import hashlib
 import re
 import shutil
 import sys

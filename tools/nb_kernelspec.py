@@ -2,8 +2,9 @@
 
 Without a stored kernelspec JupyterLab warns "No exact match found for python3"; with one
 that differs from ipykernel's (``display_name`` "Python 3" rather than "Python 3
-(ipykernel)") it rewrites it on open, so an unchanged notebook saves as changed. Only notebook-level metadata is touched (jupytext's
-authoring leftovers are dropped too); cells and outputs stay byte for byte. Re-runnable.
+(ipykernel)") it rewrites it on open, so an unchanged notebook saves as changed. Only
+notebook-level metadata is touched (jupytext's authoring leftovers are dropped too);
+cells and outputs stay byte for byte. Re-runnable.
 
     python tools/nb_kernelspec.py            # fix chapters/, exercises/, solutions/
     python tools/nb_kernelspec.py --check    # exit 1 if any notebook needs fixing

@@ -121,7 +121,7 @@ def test_sidebar_numbers_match_the_chapters(tab, site_url):
         "nav.bd-docs-nav a[href*='chapters/']")].map(a => [a.getAttribute('href'),
                                                            a.textContent.trim()])""")
     assert [h.split("/")[-1] for h, _ in entries] == [f"{p.stem}.html" for p in CHAPTERS]
-    for (_, text), path in zip(entries, CHAPTERS):
+    for (_, text), path in zip(entries, CHAPTERS, strict=True):
         number = path.stem.split("_")[0].lstrip("0") or "0"
         assert number in text.split("—")[0].split("·")[0], (path.name, text)
 
@@ -177,7 +177,8 @@ def test_widgets_are_drawn_from_saved_state_with_a_note(tab, site_url, shots):
 def test_listings_are_monospace_and_wide_pictures_scroll_in_their_box(tab, site_url):
     _open(tab, f"{site_url}chapters/04_lifecycle.html")
     fonts = tab.page.evaluate("""() => [...document.querySelectorAll(
-        'div.cell_output .text_html div.highlight pre')].map(p => getComputedStyle(p).fontFamily)""")
+        'div.cell_output .text_html div.highlight pre')]
+        .map(p => getComputedStyle(p).fontFamily)""")
     assert fonts, "chapter 04 shows no minirt.book.show listing"
     assert all("mono" in f.lower() for f in fonts), set(fonts)
     boxes = tab.page.evaluate("""() => [...document.querySelectorAll('div.cell_output')]
