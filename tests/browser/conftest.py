@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SITE = ROOT / "_build" / "html"
+SITE = Path(os.environ.get("MINIRT_SITE", ROOT / "_build" / "html"))  # another build
 SHOTS = ROOT / "_build" / "screenshots"
 CHROMIUM = os.environ.get("MINIRT_CHROMIUM", "/usr/bin/chromium")
 # Without the networking flags Chromium keeps calling Google's hosts, which a closed

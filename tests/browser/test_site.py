@@ -3,6 +3,7 @@ the phone, and that nothing is fetched from anywhere but the local server."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from urllib.parse import urldefrag, urljoin
@@ -10,7 +11,7 @@ from urllib.parse import urldefrag, urljoin
 import nbformat
 
 ROOT = Path(__file__).resolve().parents[2]
-SITE = ROOT / "_build" / "html"
+SITE = Path(os.environ.get("MINIRT_SITE", ROOT / "_build" / "html"))
 sys.path.insert(0, str(ROOT / "site"))
 from conf import WIDGET_VIEW, figure_count  # noqa: E402
 
@@ -24,6 +25,10 @@ _INVENTORY = """() => ({
   links: [...document.querySelectorAll('a[href]')].map(a => a.href),
   images: [...document.querySelectorAll('img')].map(i => ({src: i.currentSrc || i.src,
            ok: i.complete && i.naturalWidth > 0})),
+  // links into the page itself whose target is not there (myst writes a link to a missing
+  // file as one of these)
+  dangling: [...document.querySelectorAll('a[href^="#"]')].map(a => a.getAttribute('href'))
+    .filter(h => h.length > 1 && !document.getElementById(decodeURIComponent(h.slice(1)))),
 })"""
 # The notebook's stored pictures (myst-nb writes each as an <img> in the cell's output).
 _FIGURES = """() => [...document.querySelectorAll('div.cell_output > img')]
@@ -60,6 +65,8 @@ def test_every_page_loads_without_errors_broken_links_or_offsite_requests(tab, s
         inventory = tab.page.evaluate(_INVENTORY)
         problems += [f"{rel}: broken image {i['src'][:80]}" for i in inventory["images"]
                      if not i["ok"]]
+        problems += [f"{rel}: link to {h}, which is nowhere on the page"
+                     for h in inventory["dangling"]]
         for link in inventory["links"]:
             target = urldefrag(link)[0]
             if not target.startswith(site_url) or target in checked:
@@ -174,7 +181,7 @@ def test_widgets_are_drawn_from_saved_state_with_a_note(tab, site_url, shots):
         tab.page.screenshot(path=str(shots / f"site_widget_{path.stem}.png"))
 
 
-def test_listings_are_monospace_and_wide_pictures_scroll_in_their_box(tab, site_url):
+def test_listings_are_monospace_and_wide_pictures_scroll_in_their_box(tab, site_url, shots):
     _open(tab, f"{site_url}chapters/04_lifecycle.html")
     fonts = tab.page.evaluate("""() => [...document.querySelectorAll(
         'div.cell_output .text_html div.highlight pre')]
@@ -185,6 +192,19 @@ def test_listings_are_monospace_and_wide_pictures_scroll_in_their_box(tab, site_
         .filter(b => b.scrollWidth > b.clientWidth + 1).map(b => getComputedStyle(b).overflowX)""")
     assert boxes and all(o in ("auto", "scroll") for o in boxes), boxes
     assert tab.page.evaluate(_SIDEWAYS) <= 0
+    _widest_table_shot(tab, site_url, shots / "site_09_table.png")
+
+
+def _widest_table_shot(tab, site_url: str, path: Path) -> None:
+    """Chapter 09's widest table (the map to SGLang and vLLM), scrolled in its own box."""
+    _open(tab, f"{site_url}chapters/09_beyond.html")
+    index = tab.page.evaluate("""() => { const t = [...document.querySelectorAll(
+        'article table')]; let best = 0; t.forEach((e, i) => { if (e.scrollWidth >
+        t[best].scrollWidth) best = i; }); return t.length ? best : -1; }""")
+    assert index >= 0, "chapter 09 shows no table"
+    tab.page.locator("article table").nth(index).scroll_into_view_if_needed()
+    assert tab.page.evaluate(_SIDEWAYS) <= 0, "chapter 09 scrolls sideways"
+    tab.page.screenshot(path=str(path))
 
 
 def test_page_tools_copy_download_and_contents(tab, site_url):
@@ -230,13 +250,16 @@ def test_phone_no_page_scrolls_sideways_and_the_drawers_open(phone, site_url, sh
         if rel.startswith("chapters/"):
             phone.page.screenshot(path=str(shots / f"phone_{Path(rel).stem}.png"))
     assert not wide, "\n".join(wide)
+    _widest_table_shot(phone, site_url, shots / "phone_09_table.png")
     _open(phone, f"{site_url}chapters/04_lifecycle.html")
-    for kind, dialog, inside in [("primary", "#pst-primary-sidebar-modal", "chapters/"),
-                                 ("secondary", "#pst-secondary-sidebar-modal", "#")]:
+    phone.page.locator("div.cell_output .widget-vbox").first.scroll_into_view_if_needed()
+    phone.page.screenshot(path=str(shots / "phone_widget_04_lifecycle.png"))
+    for kind, dialog, links in [("primary", "#pst-primary-sidebar-modal", "a[href$='.html']"),
+                                ("secondary", "#pst-secondary-sidebar-modal", "a[href^='#']")]:
         phone.page.locator(f"button.{kind}-toggle:visible").first.click()
         drawer = phone.page.locator(f"{dialog}[open]")
         drawer.wait_for()
-        links = drawer.locator(f"a[href*='{inside}']")
+        links = drawer.locator(links)
         assert links.count() >= 3 and links.first.is_visible(), f"{kind} drawer is empty"
         phone.page.screenshot(path=str(shots / f"phone_drawer_{kind}.png"))
         phone.page.keyboard.press("Escape")
