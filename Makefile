@@ -1,8 +1,8 @@
 # minirt: two commands do everything.
 #   make book   build the environment, fetch the model once, execute every chapter
 #   make test   build the environment, fetch the model once, run every check (BOOK.md section 7)
-# Other targets: lab, html, test-browser, test-gpu, gpu-prep, gpu-book-cpu, exercises, model,
-#   env, clean, check-citations,
+# Other targets: lab, html, vendor, test-browser, test-gpu, gpu-prep, gpu-book-cpu, exercises,
+#   model, env, clean, check-citations,
 #   peer-vllm (optional: vLLM side by side), router-demo and test-router (SGLang's router).
 
 PYTHON      ?= python3
@@ -23,7 +23,8 @@ SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))
 BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
 .PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean \
-        html test-browser peer-vllm router-demo test-router check-citations gpu-prep gpu-book-cpu
+        html vendor test-browser peer-vllm router-demo test-router check-citations gpu-prep \
+        gpu-book-cpu
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,9 +70,15 @@ test: model lint
 check-citations: env
 	$(BIN)/python tools/check_citations.py
 
-# The book as a static website in _build/html, from the stored outputs (nothing re-runs).
-html: env
-	$(BIN)/python tools/build_site.py
+# The book as a static website in _build/html (Sphinx + myst-nb + sphinx-book-theme, the
+# configuration in site/), from the stored outputs: nothing re-runs.
+html: env vendor
+	$(BIN)/python -m sphinx -q -b html -c site -d _build/doctrees . _build/html
+
+# The widget JavaScript the site serves itself, from the npm registry, pinned and
+# checksum-verified (site/vendor.py); fetched once into site/_vendor/.
+vendor: env
+	$(BIN)/python site/vendor.py
 
 # The site and the widgets in a real headless Chromium (Debian's chromium; see README).
 test-browser: html

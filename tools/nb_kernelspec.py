@@ -1,8 +1,10 @@
-"""Give every book notebook the same kernelspec and language_info (Python 3, ``python3``).
+"""Give every book notebook the kernelspec and language_info exactly as ipykernel writes them.
 
-Without a stored kernelspec JupyterLab warns "No exact match found for python3" and
-marks the notebook changed on open. Only notebook-level metadata is touched (jupytext's
-authoring leftovers are dropped too); cells and outputs stay byte for byte. Re-runnable.
+Without a stored kernelspec JupyterLab warns "No exact match found for python3"; with one
+that differs from ipykernel's (``display_name`` "Python 3" rather than "Python 3
+(ipykernel)") it rewrites it on open, so an unchanged notebook saves as changed. Only
+notebook-level metadata is touched (jupytext's authoring leftovers are dropped too);
+cells and outputs stay byte for byte. Re-runnable.
 
     python tools/nb_kernelspec.py            # fix chapters/, exercises/, solutions/
     python tools/nb_kernelspec.py --check    # exit 1 if any notebook needs fixing
@@ -20,7 +22,8 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("chapters", "exercises", "solutions")
-KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+# What `python -m ipykernel install` writes into kernel.json, and JupyterLab copies on save.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 LANGUAGE_INFO = {
     "codemirror_mode": {"name": "ipython", "version": 3},
     "file_extension": ".py",

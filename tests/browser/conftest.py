@@ -14,11 +14,12 @@ import shutil
 import socket
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SITE = ROOT / "_build" / "html"
+SITE = Path(os.environ.get("MINIRT_SITE", ROOT / "_build" / "html"))  # another build
 SHOTS = ROOT / "_build" / "screenshots"
 CHROMIUM = os.environ.get("MINIRT_CHROMIUM", "/usr/bin/chromium")
 # Without the networking flags Chromium keeps calling Google's hosts, which a closed
@@ -28,6 +29,9 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-sync", "--no-first-run", "--disable-quic"]
 # The machines that run CI are small and busy: waits are generous.
 TIMEOUT_MS = 120_000
+DESKTOP = {"width": 1400, "height": 900}
+PHONE = {"width": 390, "height": 844}
+LOCAL_SCHEMES = ("data", "blob", "about", "chrome", "chrome-extension")
 
 
 def free_port() -> int:
@@ -59,7 +63,7 @@ def browser_context(tmp_path_factory):
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
             str(profile), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000})
+            viewport=DESKTOP)
         context.set_default_timeout(TIMEOUT_MS)
         try:
             yield context
@@ -69,15 +73,25 @@ def browser_context(tmp_path_factory):
 
 
 class Page:
-    """A browser tab that records console errors and failed requests."""
+    """A browser tab that records console errors, failed requests and requests that leave
+    127.0.0.1 (``offsite``)."""
 
     def __init__(self, context) -> None:
         self.page = context.new_page()
         self.errors: list[str] = []
+        self.offsite: list[str] = []
         self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
         self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
         self.page.on("requestfailed",
                      lambda r: self.errors.append(f"request failed: {r.url} {r.failure}"))
+        self.page.on("response", lambda r: r.status >= 400 and self.errors.append(
+            f"HTTP {r.status}: {r.url}"))
+        self.page.on("request", self._request)
+
+    def _request(self, request) -> None:
+        url = urlsplit(request.url)
+        if url.scheme not in LOCAL_SCHEMES and url.hostname != "127.0.0.1":
+            self.offsite.append(request.url)
 
     def close(self) -> None:
         self.page.close()
@@ -86,6 +100,15 @@ class Page:
 @pytest.fixture
 def tab(browser_context):
     page = Page(browser_context)
+    yield page
+    page.close()
+
+
+@pytest.fixture
+def phone(browser_context):
+    """A tab at a phone's 390x844."""
+    page = Page(browser_context)
+    page.page.set_viewport_size(PHONE)
     yield page
     page.close()
 

@@ -23,8 +23,8 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-from build_site import figure_count  # noqa: E402
+sys.path.insert(0, str(ROOT / "site"))
+from conf import figure_count  # noqa: E402
 
 EXPLORER = ROOT / "chapters" / "03_match_and_insert.ipynb"
 STEPPER = ROOT / "chapters" / "04_lifecycle.ipynb"
@@ -287,3 +287,32 @@ def test_static_view_shows_stored_pictures_once_trusted(tab, lab, shots):
     page.screenshot(path=str(shots / "lab_static_untrusted.png"))
     untrusted = sum(_pictures_while_scrolling(page).values())
     assert untrusted < stored, f"untrusted copy shows all {stored} pictures: control is void"
+
+
+def test_open_and_save_changes_nothing(tab, lab):
+    """Open an unchanged notebook in JupyterLab, save it, diff it with nbformat: the same
+    notebook, byte for byte (the stored kernelspec is exactly what ipykernel writes)."""
+    _, _, book = lab
+    problems = []
+    for source in (STATIC, STEPPER):
+        copy = book / f"saved_{source.name}"
+        shutil.copy(source, copy)
+        before, mtime = copy.read_bytes(), copy.stat().st_mtime_ns
+        page = _open_notebook(tab, lab, copy.name)
+        page.wait_for_timeout(2000)  # let the kernel's info reach the notebook's metadata
+        if page.evaluate("() => jupyterapp.shell.currentWidget.context.model.dirty"):
+            problems.append(f"{source.name}: marked changed on open")
+        page.evaluate("() => jupyterapp.commands.execute('docmanager:save')")
+        deadline = time.monotonic() + 60
+        while copy.stat().st_mtime_ns == mtime and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert copy.stat().st_mtime_ns != mtime, f"{source.name}: JupyterLab did not save"
+        old, new = (nbformat.reads(b.decode(), as_version=4) for b in (before, copy.read_bytes()))
+        if new.metadata != old.metadata:
+            problems.append(f"{source.name}: metadata {dict(old.metadata)} -> "
+                            f"{dict(new.metadata)}"[:600])
+        if new.cells != old.cells:
+            problems.append(f"{source.name}: cells changed on save")
+        if copy.read_bytes() != before:
+            problems.append(f"{source.name}: bytes differ after save")
+    assert not problems, "\n".join(problems)
