@@ -243,3 +243,121 @@ def test_arrival_times():
     assert t == sorted(t) and 2000 / t[-1] == pytest.approx(4.0, rel=0.1)
     with pytest.raises(ValueError, match="poisson"):
         arrival_times(2, 1.0, "bursty")
+
+
+# ------------------------------------------------ issue 27: no request hurts another
+
+
+def _stream_text(server, body: dict, seen: list | None = None) -> str:
+    """A streamed chat answer's text; ``seen`` gets the arrival time of every chunk."""
+    pieces = []
+    with httpx.stream("POST", server.url + "/chat/completions", timeout=120,
+                      json={**body, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                data = json.loads(line[6:])
+                assert "error" not in data, data
+                pieces.append(data["choices"][0]["delta"].get("content") or "")
+                if seen is not None:
+                    seen.append(time.perf_counter())
+    return "".join(pieces)
+
+
+def test_a_tiny_temperature_runs_at_vllms_floor_and_fails_nobody(server, http):
+    """temperature 1e-38 once overflowed fp32 logits to inf and failed every request in the
+    step; now it runs at 0.01 (vLLM's floor) and the greedy stream beside it is unchanged."""
+    body = {"messages": chat("You are terse.", "Name three rivers."), "max_tokens": 20,
+            "temperature": 0, "ignore_eos": True}
+    alone = http.post("/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    got = {}
+    t = threading.Thread(target=lambda: got.update(text=_stream_text(server, body)))
+    t.start()
+    tiny = [http.post("/chat/completions", json={**body, "temperature": t, "max_tokens": 6})
+            for t in (1e-38, 1e-45, 5e-324)]
+    t.join(timeout=120)
+    for r in tiny:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+    assert got["text"] == alone
+
+
+def test_disconnect_cancels_a_whole_answer_request_too(server):
+    """A non-stream client that times out is cancelled as a stream is, though tokens flow."""
+    before = metrics(server)
+    body = {"messages": chat("You are a storyteller.", "Tell a long story about a ship."),
+            "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/chat/completions", json=body, timeout=httpx.Timeout(
+            60, read=2.0))
+    deadline = time.monotonic() + 60
+    key = 'minirt_requests_total{outcome="cancelled"}'
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m[key] - before[key] == 1 and m['minirt_requests{state="running"}'] == 0:
+            break
+        time.sleep(0.2)
+    assert m[key] - before[key] == 1
+    finished = 'minirt_requests_total{outcome="finished"}'
+    assert m[finished] == before[finished]
+    assert m['minirt_kv_slots{owner="private"}'] == 0
+    assert m["minirt_generation_tokens_total"] - before["minirt_generation_tokens_total"] < 300
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    return err
+
+
+def test_malformed_bodies_content_types_roles_routes_and_seeds(server, http):
+    msgs = [{"role": "user", "content": "hi"}]
+    json_header = {"content-type": "application/json"}
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    long_int = b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}"
+    for raw in (deep, long_int):
+        err = _error(http.post("/chat/completions", content=raw, headers=json_header), 400)
+        assert "not valid JSON" in err["message"]
+    good = json.dumps({"messages": msgs, "max_tokens": 1})
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                  None):
+        headers = {"content-type": ctype} if ctype else {}
+        r = http.post("/chat/completions", content=good, headers=headers)
+        assert "application/json" in _error(r, 415)["message"]
+    r = http.post("/chat/completions", content=good,
+                  headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
+    err = _error(http.post("/chat/completions", json={"messages": [
+        {"role": "robot", "content": "beep"}]}), 400)
+    assert "'robot'" in err["message"] and err["param"] == "messages"
+    assert _error(http.get("/nothing/here"), 404)["type"] == "Not Found"
+    assert _error(http.get("/completions"), 405)["type"] == "Method Not Allowed"
+    for seed in (10**30, -2**63 - 1):
+        err = _error(http.post("/chat/completions", json={"messages": msgs, "seed": seed,
+                                                          "temperature": 1}), 400)
+        assert err["param"] == "seed" and str(2**63 - 1) in err["message"]
+    ok = http.post("/chat/completions", json={"messages": msgs, "seed": 2**63 - 1,
+                                              "temperature": 1, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_huge_prompt_is_refused_by_size_and_tokenized_off_the_engine_thread(server, http):
+    """A body over 1 MiB gets 413 unread; one under it is tokenized on another thread, so
+    the stream beside it keeps getting tokens while it is (count-based, not timed)."""
+    err = _error(http.post("/completions", json={"prompt": "x" * (2 << 20)}), 413)
+    assert "exceeds" in err["message"]
+    body = {"messages": chat("You are a storyteller.", "Tell a story."), "max_tokens": 120,
+            "temperature": 0, "ignore_eos": True}
+    seen: list[float] = []
+    t = threading.Thread(target=_stream_text, args=(server, body, seen))
+    t.start()
+    while len(seen) < 3:
+        time.sleep(0.01)
+    prompt = " ".join(f"w{i % 977}" for i in range(150_000))  # about 1 MB, 300k tokens
+    start = time.perf_counter()
+    r = http.post("/completions", json={"prompt": prompt, "max_tokens": 1})
+    end = time.perf_counter()
+    t.join(timeout=120)
+    assert "context" in _error(r, 400)["message"]
+    during = [x for x in seen if start < x < end]
+    assert len(during) >= 3, (len(during), end - start)
