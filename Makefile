@@ -2,7 +2,8 @@
 #   make book   build the environment, fetch the model once, execute every chapter
 #   make test   build the environment, fetch the model once, run every check (BOOK.md section 7)
 # Other targets: lab, html, test-browser, test-gpu, exercises, model, env, clean,
-#   peer-vllm (optional: vLLM side by side), router-demo and test-router (SGLang's router).
+#   peer-vllm (optional: vLLM side by side), router-demo and test-router (SGLang's router),
+#   fuzz-serve (minirt.serve against bad input, hang-ups and load).
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -22,7 +23,7 @@ SOLUTIONS   := $(sort $(wildcard solutions/*.ipynb))
 BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
 .PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean \
-        html test-browser peer-vllm router-demo test-router
+        html test-browser peer-vllm router-demo test-router fuzz-serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +94,11 @@ $(VLLM_VENV)/.installed:
 
 peer-vllm: model $(VLLM_VENV)/.installed
 	TQDM_DISABLE=1 $(BIN)/python benchmarks/vs_vllm.py
+
+# tools/serve_fuzz.py against a fresh minirt.serve (any OpenAI-compatible server:
+# `python tools/serve_fuzz.py --base-url http://127.0.0.1:PORT/v1`).
+fuzz-serve: model
+	TQDM_DISABLE=1 $(BIN)/python tools/serve_fuzz.py --launch -- --capacity 4096
 
 # SGLang's own router (PyPI sglang-router, a Rust binary in a wheel of about 30 MB, no torch)
 # in its own venv, in front of minirt.serve replicas; `make test-router` (called by .ci/run)
