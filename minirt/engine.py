@@ -71,8 +71,8 @@ __all__ = [
 TokenCallback = Callable[[str, int], None]
 
 # The smallest temperature a sampled request runs at: a positive one below it is raised to
-# it at submit, as vllm 0.32.0 `sampling_params.py: SamplingParams.__post_init__, _MAX_TEMP`
-# does (dividing fp32 logits by 1e-38 overflows to inf, and softmax of inf is NaN).
+# it at submit (dividing fp32 logits by 1e-38 overflows to inf, and softmax of inf is NaN),
+# as in vllm 0.32.0 `sampling_params.py: SamplingParams.__post_init__, _MAX_TEMP`
 MIN_TEMPERATURE = 1e-2
 # Seeds are 64-bit signed integers (the range vLLM's OpenAI server accepts).
 SEED_RANGE = (-2**63, 2**63 - 1)

@@ -27,11 +27,12 @@ too long for Python) gets 400; a Content-Type other than ``application/json`` (o
 and form bodies to a local server without asking (a CORS "simple" request); a body over
 ``--max-body-bytes`` (1 MiB) gets 413. Chat roles follow OpenAI's rule: ``system``,
 ``developer``, ``user`` and ``assistant``, anything else is 400 (vLLM renders any role
-string into the template, vllm 0.32.0 `renderers/chat_utils.py:
-CustomChatCompletionMessageParam`). A positive ``temperature`` below 0.01 runs at 0.01,
-as in vLLM (``minirt.engine.MIN_TEMPERATURE``), and a request whose sampling still fails
-fails alone (the engine isolates it). A client that disconnects, streaming or not,
-cancels its request within a token or so, which frees its pool slots.
+string into the template:
+vllm 0.32.0 `renderers/chat_utils.py: CustomChatCompletionMessageParam`). A positive
+``temperature`` below 0.01 runs at 0.01, as in vLLM (``minirt.engine.MIN_TEMPERATURE``),
+and a request whose sampling still fails fails alone (the engine isolates it). A client
+that disconnects, streaming or not, cancels its request within a token or so, which
+frees its pool slots.
 
 What it does not do: authentication, TLS, more than one model, several prompts or
 choices per request, log-probabilities, tool calls, structured output, rate limits,
@@ -513,9 +514,9 @@ def build_app(worker: EngineWorker, model_name: str, model_path: str,
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(http: HttpRequest, exc: StarletteHTTPException):
-        """404, 405 and the like in the OpenAI shape (``type``: the status phrase, as vllm
-        0.32.0 `entrypoints/serve/exception_handling/handlers/http.py:
-        http_exception_handler` sends)."""
+        """404, 405 and the like in the OpenAI shape; ``type`` is the status phrase, as in
+        vllm 0.32.0 `entrypoints/serve/exception_handling/handlers/http.py: http_exception_handler`
+        """
         from http import HTTPStatus
         phrase = HTTPStatus(exc.status_code).phrase
         detail = exc.detail if isinstance(exc.detail, str) else phrase

@@ -45,6 +45,7 @@ class Check:
     name: str
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
 
     def expect(self, ok: bool, what: str) -> bool:
         if not ok:
@@ -160,12 +161,12 @@ def stream_chat(base: str, model: str, max_tokens: int, hang_up_after: int | Non
 
 def check_isolation(client: httpx.Client, base: str, model: str) -> Check:
     check = Check("isolation")
-    alone = stream_chat(base, model, 24)
+    alone = stream_chat(base, model, 16)
     got: dict[str, str | BaseException] = {}
 
     def beside() -> None:
         try:
-            got["text"] = stream_chat(base, model, 24)
+            got["text"] = stream_chat(base, model, 16)
         except BaseException as exc:  # noqa: BLE001 - reported below
             got["text"] = exc
 
@@ -251,7 +252,7 @@ def _loopback(url: str) -> bool:
         return False
 
 
-def fuzz(base_url: str, timeout: float = 2.0, concurrency: int = 24, wait: float = 30.0,
+def fuzz(base_url: str, timeout: float = 2.0, concurrency: int = 16, wait: float = 30.0,
          out: Callable[[str], None] = print, verbose: bool = False) -> bool:
     """Run the four checks against ``base_url`` (``http://host:port/v1``); True if all pass."""
     base = base_url.rstrip("/")
@@ -259,12 +260,17 @@ def fuzz(base_url: str, timeout: float = 2.0, concurrency: int = 24, wait: float
         raise SystemExit(f"serve_fuzz: {base} is not on this machine (loopback only)")
     with httpx.Client(base_url=base, timeout=120) as client:
         model = client.get("/models").json()["data"][0]["id"]
-        checks = [check_bad_input(client, model, timeout),
-                  check_isolation(client, base, model),
-                  check_disconnects(client, base, model, wait),
-                  check_load(client, model, concurrency)]
+        runs = [lambda: check_bad_input(client, model, timeout),
+                lambda: check_isolation(client, base, model),
+                lambda: check_disconnects(client, base, model, wait),
+                lambda: check_load(client, model, concurrency)]
+        checks = []
+        for run in runs:
+            start = time.perf_counter()
+            checks.append(run())
+            checks[-1].seconds = time.perf_counter() - start
     for c in checks:
-        out(f"{'ok  ' if not c.failures else 'FAIL'} {c.name}: "
+        out(f"{'ok  ' if not c.failures else 'FAIL'} {c.name} ({c.seconds:.1f} s): "
             f"{c.notes[0] if c.notes else ''}")
         for note in c.notes[1:] if verbose else []:
             out(f"       {note}")
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="start minirt.serve (options after --) and fuzz it")
     p.add_argument("--timeout", type=float, default=2.0,
                    help="seconds a bad request may take to get its 4xx")
-    p.add_argument("--concurrency", type=int, default=24)
+    p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--wait", type=float, default=30.0,
                    help="seconds a hung-up request may take to stop")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per request")
@@ -292,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.launch:
         from minirt.serve import launch
         with launch(*serve_args) as server:
+            print(f"serve_fuzz: minirt.serve up in {time.perf_counter() - start:.0f} s")
             ok = fuzz(server.url, args.timeout, args.concurrency, args.wait,
                       verbose=args.verbose)
     else:
