@@ -101,7 +101,8 @@ def plan_runs(urls: dict[str, str], model_path: str, model_name: str, reps: int,
                             "--max-concurrency", str(conc), "--request-rate", "inf",
                             "--ignore-eos", "--temperature", "0", "--seed", "0",
                             "--percentile-metrics", "ttft,tpot,itl,e2el",
-                            "--metric-percentiles", "50,99", "--disable-tqdm"]
+                            "--metric-percentiles", "50,99", "--disable-tqdm",
+                            "--save-detailed"]  # keeps generated_texts and errors
                     runs.append({"server": server, "dataset": dataset, "concurrency": conc,
                                  "rep": rep, "base_url": urls[server], "argv": argv})
     return runs
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="an extra minirt.serve option (repeat), e.g. --minirt-arg=--page-size=16")
     p.add_argument("--client", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.num_prompts < 4:
+        p.error("--num-prompts must be at least 4 (prefix_repetition has 4 prefixes)")
     if args.client:
         client(*args.client)
         return
