@@ -3,7 +3,8 @@
 #   make test   build the environment, fetch the model once, run every check (BOOK.md section 7)
 # Other targets: lab, html, vendor, test-browser, test-gpu, gpu-prep, gpu-book-cpu, exercises,
 #   model, env, clean, check-citations,
-#   peer-vllm (optional: vLLM side by side), router-demo and test-router (SGLang's router).
+#   peer-vllm (optional: vLLM side by side), router-demo and test-router (SGLang's router),
+#   fuzz-serve (minirt.serve against bad input, hang-ups and load).
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -24,7 +25,7 @@ BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
 .PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean \
         html vendor test-browser peer-vllm router-demo test-router check-citations gpu-prep \
-        gpu-book-cpu
+        gpu-book-cpu fuzz-serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -118,6 +119,11 @@ $(VLLM_VENV)/.installed:
 
 peer-vllm: model $(VLLM_VENV)/.installed
 	TQDM_DISABLE=1 $(BIN)/python benchmarks/vs_vllm.py
+
+# tools/serve_fuzz.py against a fresh minirt.serve (any OpenAI-compatible server:
+# `python tools/serve_fuzz.py --base-url http://127.0.0.1:PORT/v1`).
+fuzz-serve: model
+	TQDM_DISABLE=1 $(BIN)/python tools/serve_fuzz.py --launch -- --capacity 4096
 
 # SGLang's own router (PyPI sglang-router, a Rust binary in a wheel of about 30 MB, no torch)
 # in its own venv, in front of minirt.serve replicas; `make test-router` (called by .ci/run)

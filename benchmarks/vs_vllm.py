@@ -27,6 +27,11 @@
 3. Servers: vLLM's OpenAI server (``--enable-prompt-tokens-details``) and
    ``minirt.serve`` (pages of 128 and of 1), each replayed with ``minirt.replay`` on the
    chat workload with the model's own answers: cached tokens and TTFT.
+5. Servers under vLLM's own benchmark client (``benchmarks/serve_bench.py``): both
+   servers up at once, ``prefix_repetition`` and ``random`` at concurrency 1, 4 and 16,
+   alternated runs; duration, output tokens/s, TTFT, TPOT, minirt/vLLM, cached tokens,
+   and the greedy texts compared prompt by prompt (exits 1 if a request fails or they
+   differ). ``--serve-bench-only`` runs this part alone; ``--bench-reps`` (default 3).
 
 vLLM runs in its own virtual environment (``.venv-vllm``, see the Makefile): its
 transformers pin conflicts with minirt's. This file is also its worker (``--vllm-worker``),
@@ -312,6 +317,9 @@ def main() -> None:
     p.add_argument("--skip-servers", action="store_true")
     p.add_argument("--throughput-only", action="store_true",
                    help="only part 4, the 16-request burst")
+    p.add_argument("--serve-bench-only", action="store_true",
+                   help="only part 5, vllm.benchmarks.serve against both servers")
+    p.add_argument("--bench-reps", type=int, default=3, help="runs per cell in part 5")
     p.add_argument("--vllm-worker", nargs=3, metavar=("SPEC", "OUT", "CACHING"),
                    help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -321,6 +329,11 @@ def main() -> None:
         return
     if not VLLM_PYTHON.exists():
         sys.exit(f"{VLLM_PYTHON} is missing: run `make peer-vllm` (it builds .venv-vllm)")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import serve_bench
+
+    if args.serve_bench_only:
+        sys.exit(0 if serve_bench.run(reps=args.bench_reps) else 1)
 
     import torch
 
@@ -383,9 +396,15 @@ def main() -> None:
         texts = {name: [r.text for r in rep.records] for name, rep in reports.items()}
         print("answers identical across servers:", len({json.dumps(t) for t in texts.values()})
               == 1)
+    bench_ok = True
+    if not args.skip_servers and not args.throughput_only:
+        bench_ok = serve_bench.run(reps=args.bench_reps)
     if problems:
         print("\nFAIL: minirt at page 128 does not cache or generate what vLLM does:\n  "
               + "\n  ".join(problems))
+        sys.exit(1)
+    if not bench_ok:
+        print("\nFAIL: part 5 (vllm.benchmarks.serve against both servers), see above")
         sys.exit(1)
     if args.throughput_only:
         print("\nminirt generated exactly vLLM's burst outputs.")

@@ -61,6 +61,7 @@ __all__ = [
     "RequestResult",
     "StepOutput",
     "Totals",
+    "chat_prompt_ids",
     "chat_script",
     "sample_token",
     "serve_chat",
@@ -69,6 +70,13 @@ __all__ = [
 
 TokenCallback = Callable[[str, int], None]
 
+# The smallest temperature a sampled request runs at: a positive one below it is raised to
+# it at submit (dividing fp32 logits by 1e-38 overflows to inf, and softmax of inf is NaN),
+# as in vllm 0.32.0 `sampling_params.py: SamplingParams.__post_init__, _MAX_TEMP`
+MIN_TEMPERATURE = 1e-2
+# Seeds are 64-bit signed integers (the range vLLM's OpenAI server accepts).
+SEED_RANGE = (-2**63, 2**63 - 1)
+
 
 @dataclass
 class Request:
@@ -76,8 +84,9 @@ class Request:
 
     ``messages`` go through the tokenizer's chat template (with the assistant prompt
     appended). ``temperature == 0`` is greedy decoding; otherwise tokens are sampled
-    from the ``top_k`` most likely (0: all) with a generator seeded by ``seed``, so a
-    seeded request gives the same tokens whatever else is in the batch. ``priority``
+    from the ``top_k`` most likely (0: all) with a generator seeded by ``seed`` (a 64-bit
+    signed int), so a seeded request gives the same tokens whatever else is in the batch;
+    a positive temperature below ``MIN_TEMPERATURE`` runs at ``MIN_TEMPERATURE``. ``priority``
     is handed to the cache (the "priority" eviction policy keeps high values longest).
     ``stop_on_eos``: finish early when the model emits its end-of-sequence token.
     ``cache_salt``: only requests with the same salt share cached K/V (None: all share).
@@ -137,7 +146,9 @@ class RequestResult:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str = "rejected"  # "length", "eos", "stop", "cancelled" or "rejected"
+    # "length", "eos", "stop", "cancelled", "rejected", or "error" (its sampler raised;
+    # ``error`` says why, and the other requests of the batch were not affected)
+    finish_reason: str = "rejected"
     metrics: RequestMetrics | None = None
     error: RequestError | None = None
 
@@ -232,6 +243,23 @@ class GenerateResult:
         return [r.output_ids for r in self.results]
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """``messages`` through ``tokenizer``'s chat template, assistant prompt appended, as ids.
+
+    Raises RequestError without a chat template or when the template rejects them.
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise RequestError("chat messages need a tokenizer with a chat template; "
+                           "pass token ids as `prompt` instead")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as exc:  # malformed messages: the template says why
+        raise RequestError(f"cannot apply the chat template to these messages: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
                  generator: torch.Generator | None = None) -> int:
     """The next token: argmax if ``temperature`` is 0, else a draw from the tempered top-k."""
@@ -276,6 +304,7 @@ class RequestHandle:
     final_slots: int = 0        # slots it holds at most: pages(prompt + max_new - 1)
     status: str = "waiting"
     stopped: bool = False       # one of request.stop appeared in the output
+    failure: list[str] = field(default_factory=list, repr=False)  # why its sampler raised
     ttft: float = 0.0
     prefill_time: float = 0.0
     loaded_tokens: int = 0      # prompt tokens loaded back from a host tier at admission
@@ -385,17 +414,7 @@ class Engine:
             raise RequestError("a request needs exactly one of `prompt` (token ids) or "
                                "`messages` (chat)")
         if request.messages is not None:
-            tok = self.tokenizer
-            if tok is None or not getattr(tok, "chat_template", None):
-                raise RequestError("chat messages need a tokenizer with a chat template; "
-                                   "pass token ids as `prompt` instead")
-            try:
-                text = tok.apply_chat_template(request.messages, tokenize=False,
-                                               add_generation_prompt=True)
-            except Exception as exc:  # malformed messages: the template says why
-                raise RequestError(f"cannot apply the chat template to these messages: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-            return as_ids(tok(text, add_special_tokens=False)["input_ids"])
+            return as_ids(chat_prompt_ids(self.tokenizer, request.messages))
         try:
             return as_ids(request.prompt, "prompt")
         except InvalidIdsError as exc:
@@ -431,8 +450,10 @@ class Engine:
                                    f"got {v!r}")
         check_salt(request.cache_salt)
         if request.seed is not None and (isinstance(request.seed, bool)
-                                         or not isinstance(request.seed, int)):
-            raise RequestError(f"seed must be an int or None, got {request.seed!r}")
+                                         or not isinstance(request.seed, int)
+                                         or not SEED_RANGE[0] <= request.seed <= SEED_RANGE[1]):
+            raise RequestError(f"seed must be None or an int in [{SEED_RANGE[0]}, "
+                               f"{SEED_RANGE[1]}], got {request.seed!r}")
         stop = request.stop
         if isinstance(stop, str) or not isinstance(stop, (list, tuple)) \
                 or not all(isinstance(x, str) and x for x in stop):
@@ -476,6 +497,8 @@ class Engine:
         final = -(-(ids.numel() + request.max_new_tokens - 1) // ps) * ps
         job = RequestHandle(rid, request, arrival, lc_req,
                             RequestResult(rid, request, prompt_ids=ids.tolist()), final)
+        if lc_req.next_token is not greedy_token:
+            lc_req.next_token = self._guarded(lc_req.next_token, job.failure)
         self._waiting.append(job)
         self._live[rid] = job
         return job
@@ -718,8 +741,22 @@ class Engine:
             return greedy_token  # the lifecycle batches greedy picks into one argmax
         seed = request.seed if request.seed is not None else random.getrandbits(63)
         generator = torch.Generator().manual_seed(seed)
-        return partial(sample_token, temperature=request.temperature, top_k=request.top_k,
-                       generator=generator)
+        return partial(sample_token, temperature=max(request.temperature, MIN_TEMPERATURE),
+                       top_k=request.top_k, generator=generator)
+
+    @staticmethod
+    def _guarded(sampler: Callable[[torch.Tensor], int],
+                 failure: list[str]) -> Callable[[torch.Tensor], int]:
+        """``sampler``, but an exception fails its own request only: it is noted in
+        ``failure`` (the request then finishes with reason "error") and argmax stands in
+        for the token, so the step goes on for everyone else."""
+        def pick(logits: torch.Tensor) -> int:
+            try:
+                return sampler(logits)
+            except Exception as exc:  # noqa: BLE001 - any failure is this request's alone
+                failure.append(f"sampling failed: {type(exc).__name__}: {exc}")
+                return int(logits.argmax())
+        return pick
 
     def _emit(self, job: RequestHandle, out: StepOutput,
               on_token: TokenCallback | None) -> None:
@@ -733,12 +770,12 @@ class Engine:
             on_token(job.rid, token)
 
     def _done(self, job: RequestHandle) -> bool:
-        return job.lc.done or job.stopped
+        return job.lc.done or job.stopped or bool(job.failure)
 
     def _finish(self, job: RequestHandle) -> None:
         """Step 5: cache prompt + output and unlock (or, without the cache, just free)."""
         req = job.lc
-        if self.use_cache:
+        if self.use_cache and not job.failure:
             self.lifecycle.finish(req)
         else:
             self.lifecycle.abort(req)
@@ -747,6 +784,10 @@ class Engine:
         self._check()
         eos = req.eos_token_id is not None and req.output[-1] == req.eos_token_id
         job.status = "finished"
+        if job.failure:
+            job.result.error = RequestError(job.failure[0])
+            self._fill_result(job, "error")
+            return
         self._fill_result(job, "stop" if job.stopped else "eos" if eos else "length")
 
     def _fill_result(self, job: RequestHandle, finish_reason: str) -> None:

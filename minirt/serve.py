@@ -15,9 +15,24 @@ HTTP 400 instead of being silently dropped.
 
 One background thread owns the ``Engine`` and runs ``step()`` while any request is
 pending; HTTP handlers hand it requests and cancellations through a queue, and it
-streams text back as tokens are produced. A bad request gets 400 with an OpenAI-style
-error body and the others are unaffected; a client that disconnects mid-request
-cancels it, which frees its pool slots.
+streams text back as tokens are produced. Prompts are tokenized (chat template
+included) on a second thread with its own copy of the tokenizer, so a long prompt never
+stalls the steps of the others.
+
+No request can hurt another: every failure gets an OpenAI-style error body
+``{"error": {"message", "type", "param", "code"}}`` (404 and 405 included) and the
+others are unaffected. A body that is not JSON (or nests too deep, or holds an integer
+too long for Python) gets 400; a Content-Type other than ``application/json`` (or
+``+json``), missing included, gets 415, since a browser page can send ``text/plain``
+and form bodies to a local server without asking (a CORS "simple" request); a body over
+``--max-body-bytes`` (1 MiB) gets 413. Chat roles follow OpenAI's rule: ``system``,
+``developer``, ``user`` and ``assistant``, anything else is 400 (vLLM renders any role
+string into the template:
+vllm 0.32.0 `renderers/chat_utils.py: CustomChatCompletionMessageParam`). A positive
+``temperature`` below 0.01 runs at 0.01, as in vLLM (``minirt.engine.MIN_TEMPERATURE``),
+and a request whose sampling still fails fails alone (the engine isolates it). A client
+that disconnects, streaming or not, cancels its request within a token or so, which
+frees its pool slots.
 
 What it does not do: authentication, TLS, more than one model, several prompts or
 choices per request, log-probabilities, tool calls, structured output, rate limits,
@@ -29,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import queue
@@ -41,6 +57,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,13 +65,16 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Engine, Request, RequestResult
+from .engine import SEED_RANGE, Engine, Request, RequestResult, chat_prompt_ids
 from .errors import MinirtError, RequestError
 
 __all__ = ["EngineWorker", "ServerProcess", "TextDeltas", "build_app", "launch", "main"]
 
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}
+MAX_BODY_BYTES = 1 << 20  # far above a full context (8,192 tokens as text or as ids)
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # OpenAI's, minus tools
 
 # OpenAI request fields minirt knows but does not implement: allowed only at their neutral
 # value (or null), so that a client relying on them hears so instead of getting other output.
@@ -136,7 +156,7 @@ class Stream:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     rid: str = ""
-    deltas: TextDeltas | None = None
+    deltas: TextDeltas | None = None  # None: the client wants the whole answer only
     finished: bool = False
 
     def put(self, event: tuple) -> None:
@@ -146,8 +166,10 @@ class Stream:
 class EngineWorker:
     """Runs an ``Engine`` in one background thread; everything else talks to it by queue.
 
-    The engine (and the tokenizer) are only ever touched by this thread, so nothing in
-    minirt needs locks. Counters for ``/metrics`` are plain ints it updates.
+    The engine (and its tokenizer) are only ever touched by this thread, so nothing in
+    minirt needs locks. Prompts are encoded before they get here, by ``encode`` on a
+    thread of its own with a copy of the tokenizer. Counters for ``/metrics`` are plain
+    ints it updates.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -159,6 +181,8 @@ class EngineWorker:
         self.gauges = {"running": 0, "waiting": 0, **engine.lifecycle.counters()}
         self.ready = threading.Event()
         self._stop = threading.Event()
+        self._tokenizer = copy.deepcopy(engine.tokenizer)  # the encoding thread's own
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="minirt-tokenize")
         self._thread = threading.Thread(target=self._run, name="minirt-engine", daemon=True)
 
     def start(self) -> EngineWorker:
@@ -170,22 +194,42 @@ class EngineWorker:
         self._stop.set()
         self.inbox.put(("wake",))
         self._thread.join(timeout=30)
+        self._encoder.shutdown(wait=False, cancel_futures=True)
 
     @property
     def alive(self) -> bool:
         return self.ready.is_set() and self._thread.is_alive() and not self._stop.is_set()
 
     # -------------------------------------------------- called from the event loop
-    async def submit(self, build: Callable[[], Request], arrival: float,
-                     stop: tuple[str, ...] = ()) -> Stream:
-        """Queue a request (``build`` runs on the engine thread, where the tokenizer lives).
+    async def encode(self, prompt: str | list[int] | None = None,
+                     messages: list[dict[str, str]] | None = None) -> list[int]:
+        """The prompt's token ids, computed off the engine thread (chat template for
+        ``messages``). Raises RequestError if the template or tokenizer rejects it."""
+        if messages is None and not isinstance(prompt, str):
+            return list(prompt)
+
+        def run() -> list[int]:
+            try:
+                if messages is not None:
+                    return chat_prompt_ids(self._tokenizer, messages)
+                return self._tokenizer(prompt)["input_ids"]
+            except RequestError:
+                raise
+            except Exception as exc:  # a tokenizer failure we did not foresee
+                raise RequestError(f"cannot tokenize the prompt: {type(exc).__name__}: "
+                                   f"{exc}") from exc
+        return await asyncio.get_running_loop().run_in_executor(self._encoder, run)
+
+    async def submit(self, request: Request, arrival: float, stop: tuple[str, ...] = (),
+                     deltas: bool = True) -> Stream:
+        """Queue ``request`` (token ids, from ``encode``); ``deltas``: stream its text.
 
         Raises RequestError if the engine rejects it.
         """
         loop = asyncio.get_running_loop()
         stream = Stream(loop)
         accepted = loop.create_future()
-        self.inbox.put(("submit", build, arrival, stop, stream, accepted))
+        self.inbox.put(("submit", request, arrival, stop, deltas, stream, accepted))
         await accepted
         return stream
 
@@ -207,19 +251,19 @@ class EngineWorker:
 
     def _command(self, cmd: tuple) -> None:
         if cmd[0] == "submit":
-            _, build, arrival, stop, stream, accepted = cmd
+            _, request, arrival, stop, deltas, stream, accepted = cmd
             try:
-                handle = self.engine.submit(build(), arrival=arrival)
+                handle = self.engine.submit(request, arrival=arrival)
             except RequestError as exc:
                 self.counters["rejected"] += 1
                 self._reply(accepted, exc)
                 return
-            except Exception as exc:  # a tokenizer or template failure we did not foresee
+            except Exception as exc:  # a failure we did not foresee: this request's alone
                 self.counters["rejected"] += 1
                 self._reply(accepted, RequestError(f"{type(exc).__name__}: {exc}"))
                 return
             stream.rid = handle.rid
-            stream.deltas = TextDeltas(self._decode, stop)
+            stream.deltas = TextDeltas(self._decode, stop) if deltas else None
             self.streams[handle.rid] = stream
             self._reply(accepted, None)
         elif cmd[0] == "cancel":
@@ -235,17 +279,21 @@ class EngineWorker:
     def _on_token(self, rid: str, token: int) -> None:
         self.counters["generation_tokens"] += 1
         stream = self.streams.get(rid)
-        if stream is not None:
+        if stream is not None and stream.deltas is not None:
             piece = stream.deltas.push(token)
             if piece:
                 stream.put(("delta", piece))
 
     def _done(self, result: RequestResult) -> None:
         stream = self.streams.pop(result.rid, None)
-        self.counters["finished"] += 1
+        failed = result.finish_reason == "error"  # its own sampling failed, nobody else's
+        self.counters["failed" if failed else "finished"] += 1
         if stream is not None:
             stream.finished = True
-            piece = stream.deltas.flush(result.text)
+            if failed:
+                stream.put(("error", f"request failed: {result.error}"))
+                return
+            piece = stream.deltas.flush(result.text) if stream.deltas is not None else ""
             if piece:
                 stream.put(("delta", piece))
             stream.put(("done", result))
@@ -321,7 +369,8 @@ class EngineWorker:
 # ---------------------------------------------------------------- request parsing
 
 
-def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None) -> Any:
+def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None,
+            high: float | None = None) -> Any:
     value = body.get(name)
     if value is None:
         return default
@@ -329,6 +378,9 @@ def _number(body: dict, name: str, default: Any, kind: type, low: float | None =
     if isinstance(value, bool) or not isinstance(value, ok_types):
         raise BadRequest(f"'{name}' must be {'a number' if kind is float else 'an integer'}, "
                          f"got {value!r}", name)
+    if high is not None and not low <= value <= high:
+        raise BadRequest(f"'{name}' must be an integer in [{low}, {high}], got {value!r}",
+                         name)
     if low is not None and value < low:
         raise BadRequest(f"'{name}' must be >= {low}, got {value!r}", name)
     return kind(value)
@@ -347,7 +399,7 @@ def sampling_options(body: dict, endpoint: str) -> dict:
                          DEFAULT_MAX_TOKENS[endpoint], int, 1)
     temperature = _number(body, "temperature", 1.0, float, 0)
     top_k = _number(body, "top_k", 0, int, -1)
-    seed = _number(body, "seed", None, int)
+    seed = _number(body, "seed", None, int, *SEED_RANGE)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -365,7 +417,10 @@ def sampling_options(body: dict, endpoint: str) -> dict:
 
 
 def chat_messages(body: dict) -> list[dict[str, str]]:
-    """``messages`` as role/content strings (text parts of a content list are joined)."""
+    """``messages`` as role/content strings (text parts of a content list are joined).
+
+    Roles follow OpenAI's rule (``CHAT_ROLES``); any other role is a 400.
+    """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -373,6 +428,9 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
+        if m["role"] not in CHAT_ROLES:
+            raise BadRequest(f"messages[{i}].role {m['role']!r} is not one of "
+                             f"{', '.join(CHAT_ROLES)}", "messages")
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text"
@@ -417,20 +475,54 @@ def _finish_reason(result: RequestResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
+def _is_json(content_type: str) -> bool:
+    """``application/json`` or ``application/<something>+json``, parameters allowed."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/")
+                                          and kind.endswith("+json"))
+
+
+async def _read_body(http: HttpRequest, limit: int) -> bytes | None:
+    """The request body, or None as soon as it is known to exceed ``limit`` bytes."""
+    length = http.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def build_app(worker: EngineWorker, model_name: str, model_path: str,
-              server_id: str | None = None):
+              server_id: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
     """The FastAPI application serving ``worker``'s engine as ``model_name``.
 
     ``server_id``: sent as ``system_fingerprint`` in every completion and chunk, so a
     client behind a router can tell which replica answered (omitted when None).
+    ``max_body_bytes``: a larger request body gets 413 before it is parsed.
     """
     app = FastAPI(title="minirt.serve", version="0.1",
                   description="A teaching server: OpenAI-compatible, one model, no auth.")
-    tokenizer = worker.engine.tokenizer
+    context = worker.engine.max_positions
 
     def bad(message: str, param: str | None = None, status: int = 400,
             kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse(error_body(message, kind, param, status), status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(http: HttpRequest, exc: StarletteHTTPException):
+        """404, 405 and the like in the OpenAI shape; ``type`` is the status phrase, as in
+        vllm 0.32.0 `entrypoints/serve/exception_handling/handlers/http.py: http_exception_handler`
+        """
+        from http import HTTPStatus
+        phrase = HTTPStatus(exc.status_code).phrase
+        detail = exc.detail if isinstance(exc.detail, str) else phrase
+        message = f"{detail}: {http.method} {http.url.path}"
+        return JSONResponse(error_body(message, phrase, None, exc.status_code),
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     async def health():
@@ -456,9 +548,18 @@ def build_app(worker: EngineWorker, model_name: str, model_path: str,
 
     async def handle(http: HttpRequest, endpoint: str):
         arrival = time.perf_counter()
+        content_type = http.headers.get("content-type", "")
+        if not _is_json(content_type):
+            return bad(f"Content-Type must be application/json, got {content_type or 'none'!r}",
+                       status=415)
+        raw = await _read_body(http, max_body_bytes)
+        if raw is None:
+            return bad(f"the request body exceeds {max_body_bytes} bytes", status=413)
         try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = json.loads(raw)
+        except RecursionError:
+            return bad("the request body is not valid JSON: it nests too deep")
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a too long integer
             return bad(f"the request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return bad("the request body must be a JSON object")
@@ -468,16 +569,9 @@ def build_app(worker: EngineWorker, model_name: str, model_path: str,
         try:
             options = sampling_options(body, endpoint)
             if endpoint == "chat":
-                messages = chat_messages(body)
-
-                def build() -> Request:
-                    return Request(messages=messages, **options)
+                messages, prompt = chat_messages(body), None
             else:
-                prompt = completion_prompt(body)
-
-                def build() -> Request:
-                    ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-                    return Request(prompt=ids, **options)
+                messages, prompt = None, completion_prompt(body)
             stream_flag = body.get("stream", False)
             if not isinstance(stream_flag, bool):
                 raise BadRequest(f"'stream' must be a boolean, got {stream_flag!r}", "stream")
@@ -485,7 +579,13 @@ def build_app(worker: EngineWorker, model_name: str, model_path: str,
             if not isinstance(stream_opts, dict):
                 raise BadRequest("'stream_options' must be an object", "stream_options")
             include_usage = bool(stream_opts.get("include_usage", False))
-            stream = await worker.submit(build, arrival, options["stop"])
+            ids = await worker.encode(prompt, messages)
+            n, m = len(ids), options["max_new_tokens"]
+            if context and n + m > context:  # the engine says the same; no need to queue it
+                raise RequestError(f"prompt ({n}) + max_new_tokens ({m}) exceeds the model's "
+                                   f"context of {context} positions")
+            stream = await worker.submit(Request(prompt=ids, **options), arrival,
+                                         options["stop"], deltas=stream_flag)
         except BadRequest as exc:
             return bad(str(exc), exc.param)
         except RequestError as exc:
@@ -511,31 +611,39 @@ def build_app(worker: EngineWorker, model_name: str, model_path: str,
     return app
 
 
+async def _client_gone(http: HttpRequest) -> None:
+    """Returns when the client hangs up. Once the body is read, the server's next ASGI
+    message is ``http.disconnect``: the same signal Starlette's ``StreamingResponse``
+    listens for, so whole answers are cancelled exactly as streams are."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _outcome(stream: Stream) -> tuple[str, Any]:
+    while True:
+        kind, value = await stream.events.get()
+        if kind != "delta":
+            return kind, value
+
+
 async def _complete(worker: EngineWorker, stream: Stream, http: HttpRequest, endpoint: str,
                     ident: str, created: int, model_name: str, server_id: str | None = None):
-    """Wait for the whole answer (cancelling if the client goes away meanwhile)."""
-    text = []
+    """Wait for the whole answer, cancelling it the moment the client goes away."""
+    gone = asyncio.ensure_future(_client_gone(http))
+    outcome = asyncio.ensure_future(_outcome(stream))
     try:
-        while True:
-            try:
-                kind, value = await asyncio.wait_for(stream.events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    worker.cancel(stream)
-                    return JSONResponse(error_body("client disconnected"), status_code=499)
-                continue
-            if kind == "delta":
-                text.append(value)
-            elif kind == "error":
-                return JSONResponse(error_body(value, "server_error", code=500),
-                                    status_code=500)
-            else:
-                result = value
-                break
-    except asyncio.CancelledError:
-        worker.cancel(stream)
-        raise
-    content = "".join(text)
+        await asyncio.wait((gone, outcome), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not outcome.done():
+            worker.cancel(stream)
+        gone.cancel()
+        outcome.cancel()
+    if not outcome.done() or outcome.cancelled():
+        return JSONResponse(error_body("client disconnected"), status_code=499)
+    kind, result = outcome.result()
+    if kind == "error":
+        return JSONResponse(error_body(result, "server_error", code=500), status_code=500)
+    content = result.text
     if endpoint == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": content},
                   "finish_reason": _finish_reason(result), "logprobs": None}
@@ -641,13 +749,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="same bits whatever is cached or batched (chapter 10)")
     p.add_argument("--server-id", default=None,
                    help="sent as system_fingerprint, to tell replicas apart behind a router")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="larger request bodies get 413 (default 1 MiB)")
     args = p.parse_args(argv)
 
     worker, name, path = make_worker(args.model, args.capacity, args.page_size,
                                      args.token_budget, args.policy, args.device,
                                      args.deterministic)
     name = args.served_model_name or name
-    app = build_app(worker, name, path, args.server_id)
+    app = build_app(worker, name, path, args.server_id, args.max_body_bytes)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

@@ -182,3 +182,46 @@ def test_stop_strings_end_a_request_and_cut_its_text(model):
             engine.validate(Request(prompt=prompt, stop=bad))
     with pytest.raises(RequestError, match="tokenizer"):
         Engine(model, capacity=64).validate(Request(prompt=prompt, stop=["a"]))
+
+
+def test_a_failing_sampler_fails_its_own_request_only(model, monkeypatch):
+    """The engine isolates a sampling failure: that request finishes with reason "error",
+    the greedy one in the same steps gets the tokens it gets alone."""
+    from minirt import engine as engine_module
+
+    alone = Engine(model, capacity=256).generate(
+        [Request(prompt=[1, 2, 3, 4], max_new_tokens=6)], progress=False)[0].output_ids
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("probability tensor contains inf, nan or element < 0")
+
+    monkeypatch.setattr(engine_module, "sample_token", broken)
+    eng = Engine(model, capacity=256)
+    good = eng.submit(Request(prompt=[1, 2, 3, 4], max_new_tokens=6))
+    bad_one = eng.submit(Request(prompt=[5, 6, 7], max_new_tokens=6, temperature=0.7))
+    while eng.has_work:
+        eng.step()
+    assert good.result.output_ids == alone and good.result.finish_reason == "length"
+    assert bad_one.result.finish_reason == "error" and not bad_one.result.ok
+    assert "probability tensor" in str(bad_one.result.error)
+    assert eng.lifecycle.counters()["private"] == 0 and eng.lifecycle.counters()["protected"] == 0
+    assert idle(eng)
+
+
+def test_tiny_temperatures_run_at_the_floor_and_seeds_are_64_bit(model):
+    """A positive temperature below MIN_TEMPERATURE samples as MIN_TEMPERATURE (no inf, no
+    NaN: the step goes on); a seed outside int64 is rejected at submit, nothing queued."""
+    from minirt.engine import MIN_TEMPERATURE
+
+    def run(t: float) -> list[int]:
+        r = Request(prompt=[1, 2, 3], max_new_tokens=5, temperature=t, seed=7)
+        return Engine(model, capacity=128).generate([r], progress=False)[0].output_ids
+
+    assert run(1e-38) == run(5e-324) == run(MIN_TEMPERATURE)
+    engine = Engine(model, capacity=128)
+    for seed in (2**63, -2**63 - 1, 10**30):
+        with pytest.raises(RequestError, match=r"seed must be None or an int in \["):
+            engine.submit(Request(prompt=[1, 2], seed=seed, temperature=1.0))
+    assert not engine.has_work
+    engine.submit(Request(prompt=[1, 2], seed=-2**63, temperature=1.0, max_new_tokens=2))
+    assert engine.has_work

@@ -243,3 +243,159 @@ def test_arrival_times():
     assert t == sorted(t) and 2000 / t[-1] == pytest.approx(4.0, rel=0.1)
     with pytest.raises(ValueError, match="poisson"):
         arrival_times(2, 1.0, "bursty")
+
+
+# ------------------------------------------------ issue 27: no request hurts another
+
+
+def _stream_text(server, body: dict, seen: list | None = None) -> str:
+    """A streamed chat answer's text; ``seen`` gets the arrival time of every chunk."""
+    pieces = []
+    with httpx.stream("POST", server.url + "/chat/completions", timeout=120,
+                      json={**body, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                data = json.loads(line[6:])
+                assert "error" not in data, data
+                pieces.append(data["choices"][0]["delta"].get("content") or "")
+                if seen is not None:
+                    seen.append(time.perf_counter())
+    return "".join(pieces)
+
+
+def test_a_tiny_temperature_runs_at_vllms_floor_and_fails_nobody(server, http):
+    """temperature 1e-38 once overflowed fp32 logits to inf and failed every request in the
+    step; now it runs at 0.01 (vLLM's floor) and the greedy stream beside it is unchanged."""
+    body = {"messages": chat("You are terse.", "Name three rivers."), "max_tokens": 20,
+            "temperature": 0, "ignore_eos": True}
+    alone = http.post("/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    got = {}
+    t = threading.Thread(target=lambda: got.update(text=_stream_text(server, body)))
+    t.start()
+    tiny = [http.post("/chat/completions", json={**body, "temperature": t, "max_tokens": 6})
+            for t in (1e-38, 1e-45, 5e-324)]
+    t.join(timeout=120)
+    for r in tiny:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+    assert got["text"] == alone
+
+
+class CharTokenizer:
+    """id = ord(char): enough to decode tiny_model's outputs (ids < 128) as text."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """minirt.serve's app over tiny_model in this process: tokens come every few ms, so
+    a gap of 0.5 s without one never happens (the old disconnect check waited for one)."""
+    import socket
+
+    import uvicorn
+
+    from minirt.model import tiny_model
+    from minirt.serve import EngineWorker, build_app
+
+    worker = EngineWorker(Engine(tiny_model(0), CharTokenizer(), capacity=2048)).start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(worker, "tiny", "tiny"),
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield base, worker
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        worker.stop()
+
+
+def test_disconnect_cancels_a_whole_answer_request_whatever_the_token_rate(tiny_server):
+    """A non-stream client that hangs up is cancelled within a few tokens, as a stream is,
+    though tokens keep flowing (it used to run on to max_tokens and count as finished)."""
+    base, worker = tiny_server
+    before = dict(worker.counters)
+    body = {"prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    at_hang_up = worker.counters["generation_tokens"]
+    deadline = time.monotonic() + 60
+    while worker.counters["cancelled"] == before["cancelled"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.counters["cancelled"] - before["cancelled"] == 1
+    assert worker.counters["finished"] == before["finished"]
+    assert worker.counters["generation_tokens"] - at_hang_up <= 8
+    time.sleep(0.6)  # one idle turn of the engine loop refreshes the gauges
+    assert worker.gauges["running"] == 0 and worker.gauges["private"] == 0
+    r = httpx.post(base + "/v1/completions", json={**body, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    return err
+
+
+def test_malformed_bodies_content_types_roles_routes_and_seeds(server, http):
+    msgs = [{"role": "user", "content": "hi"}]
+    json_header = {"content-type": "application/json"}
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    long_int = b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}"
+    for raw in (deep, long_int):
+        err = _error(http.post("/chat/completions", content=raw, headers=json_header), 400)
+        assert "not valid JSON" in err["message"]
+    good = json.dumps({"messages": msgs, "max_tokens": 1})
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                  None):
+        headers = {"content-type": ctype} if ctype else {}
+        r = http.post("/chat/completions", content=good, headers=headers)
+        assert "application/json" in _error(r, 415)["message"]
+    r = http.post("/chat/completions", content=good,
+                  headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
+    err = _error(http.post("/chat/completions", json={"messages": [
+        {"role": "robot", "content": "beep"}]}), 400)
+    assert "'robot'" in err["message"] and err["param"] == "messages"
+    assert _error(http.get("/nothing/here"), 404)["type"] == "Not Found"
+    assert _error(http.get("/completions"), 405)["type"] == "Method Not Allowed"
+    for seed in (10**30, -2**63 - 1):
+        err = _error(http.post("/chat/completions", json={"messages": msgs, "seed": seed,
+                                                          "temperature": 1}), 400)
+        assert err["param"] == "seed" and str(2**63 - 1) in err["message"]
+    ok = http.post("/chat/completions", json={"messages": msgs, "seed": 2**63 - 1,
+                                              "temperature": 1, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_huge_prompt_is_refused_by_size_and_tokenized_off_the_engine_thread(server, http):
+    """A body over 1 MiB gets 413 unread; one under it is tokenized on another thread, so
+    the stream beside it keeps getting tokens while it is (count-based, not timed)."""
+    err = _error(http.post("/completions", json={"prompt": "x" * (2 << 20)}), 413)
+    assert "exceeds" in err["message"]
+    body = {"messages": chat("You are a storyteller.", "Tell a story."), "max_tokens": 120,
+            "temperature": 0, "ignore_eos": True}
+    seen: list[float] = []
+    t = threading.Thread(target=_stream_text, args=(server, body, seen))
+    t.start()
+    while len(seen) < 3:
+        time.sleep(0.01)
+    prompt = " ".join(f"w{i % 977}" for i in range(150_000))  # about 1 MB, 300k tokens
+    start = time.perf_counter()
+    r = http.post("/completions", json={"prompt": prompt, "max_tokens": 1})
+    end = time.perf_counter()
+    t.join(timeout=120)
+    assert "context" in _error(r, 400)["message"]
+    during = [x for x in seen if start < x < end]
+    assert len(during) >= 3, (len(during), end - start)

