@@ -159,8 +159,25 @@ def merge_keeps_node_attached(node):
     return child
 
 
+def merge_keeps_child_time(node):  # the child's own last_access, not the later of the two
+    if node.parent is None or len(node.children) != 1:
+        raise ValueError("merge needs a non-root node with exactly one child")
+    (child,) = node.children.values()
+    if child.ref_count != node.ref_count:
+        raise ValueError("different ref counts")
+    parent = node.parent
+    child.key = as_tokens([*node.key, *child.key])
+    child.value = as_tokens([*node.value, *child.value])
+    child.length = len(child.key)
+    parent.children[node.key_fn(child.key)] = child
+    child.parent = parent
+    node.parent, node.children = None, {}
+    return child
+
+
 @pytest.mark.parametrize("wrong", [merge_upper_survives, merge_forgets_grandchildren,
-                                   merge_never_refuses, merge_keeps_node_attached])
+                                   merge_never_refuses, merge_keeps_node_attached,
+                                   merge_keeps_child_time])
 def test_merge_mutants_rejected(wrong):
     rejects(ch02.check_merge, wrong, "2.1", contains="merge(")
 
