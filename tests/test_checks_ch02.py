@@ -256,3 +256,21 @@ def test_crashes_become_assertions_naming_the_input():
 
     with pytest.raises(AssertionError, match=r"insert_pages\(root, ids=.*raised IndexError"):
         ch02.check_insert_pages(crashes)
+
+
+# --------------------------------------------------------------------------- 2.4 prediction
+
+
+def test_paged_prediction_accepts_the_right_one(capsys):
+    accepts(ch02.check_paged_prediction, {"duplicates": [[], [5], [10, 11]], "nodes": 5},
+            "2.4", capsys)
+
+
+@pytest.mark.parametrize("wrong", [
+    {"duplicates": [[], [5], [10, 11, 12]], "nodes": 5},  # shares the partly matching page
+    {"duplicates": [[], [5], [10]], "nodes": 5},          # stops R at Q's fork
+    {"duplicates": [[], [5], [10, 11]], "nodes": 4},      # forgets the split R causes
+    {"duplicates": [[], [10], [20, 21]], "nodes": 5},     # slots, not page numbers
+])
+def test_paged_prediction_rejects_wrong_ones(wrong):
+    rejects(ch02.check_paged_prediction, wrong, "2.4", contains="your")

@@ -19,7 +19,9 @@ from ..workloads import lookup_steps, prefix_node_counts
 from ._common import as_int_list, call_reader, checker, expect, expect_value_error, passed
 
 __all__ = [
+    "PAGED_REQUESTS",
     "check_insert_pages",
+    "check_paged_prediction",
     "check_merge",
     "check_node_counts",
     "check_split_with_stats",
@@ -275,3 +277,44 @@ def check_insert_pages(insert_pages: Callable[[RadixNode, list[int], list[int]],
                    f"{want_slots}.")
     passed("2.4", f"{len(_PAGED_CASES)} insert sequences: the tree as RadixCache builds it, and "
                   "exactly the duplicate pages returned")
+
+
+# Exercise 2.4's prediction: three requests inserted in order with pages of 2, each
+# computed into slots of its own (request k into slots 10 k, 10 k + 1, ...).
+PAGED_REQUESTS = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 9, 9, 10], [5, 6, 7, 8, 1, 2]]
+
+
+def _paged_truth(page: int = 2) -> dict[str, object]:
+    """Each request's duplicate pages and the tree's node count, through ``RadixCache``."""
+    cache, dups = RadixCache(page_size=page), []
+    for k, ids in enumerate(PAGED_REQUESTS):
+        slots = list(range(10 * k, 10 * k + len(ids)))
+        cached = cache.insert_prefix(ids, slots).cached_len
+        dups.append([s // page for s in slots[:cached:page]])
+    nodes, stack = 0, [cache.root]
+    while stack:
+        node = stack.pop()
+        nodes += not node.is_root()
+        stack.extend(node.children.values())
+    return {"duplicates": dups, "nodes": nodes}
+
+
+@checker("2.4", "A page is shared only when it and every page before it match. Where does "
+                "each request leave the tree, in whole pages, and which nodes does that split?")
+def check_paged_prediction(predicted: dict) -> None:
+    """Exercise 2.4, first part: duplicate pages and node count of ``PAGED_REQUESTS``."""
+    want = _paged_truth()
+    expect(isinstance(predicted, dict) and set(predicted) == set(want),
+           f"your prediction is {predicted!r}; expected a dict with the keys "
+           f"{sorted(want)}, e.g. {{'duplicates': [[], [0], [1, 2]], 'nodes': 3}}.")
+    got = [as_int_list(d) for d in predicted["duplicates"]] if isinstance(
+        predicted["duplicates"], (list, tuple)) else None
+    expect(got == want["duplicates"],
+           f"your duplicate pages are {predicted['duplicates']!r}, expected "
+           f"{want['duplicates']} (request k's own slots are 10 k, 10 k + 1, ...; page = "
+           "slot // 2).")
+    expect(predicted["nodes"] == want["nodes"],
+           f"your tree has {predicted['nodes']!r} nodes besides the root, expected "
+           f"{want['nodes']}.")
+    passed("2.4", f"prediction right: duplicate pages {want['duplicates']}, "
+                  f"{want['nodes']} nodes")
