@@ -263,10 +263,13 @@ def check_salt(salt: Any) -> Salt:
 
 
 class SaltedKey:
-    """Child key of a salted request's nodes: ``(salt, key_fn(tokens, pos))``, SGLang's extra key.
+    """Child key of a salted request's nodes: ``(salt, key_fn(tokens, pos))``.
 
-    Every node of a salted subtree carries it as its ``key_fn``, so a split re-keys the
-    halves correctly and requests with different salts never share a node.
+    SGLang does the same: every child key of a request with an ``extra_key`` or a
+    ``cache_salt`` starts with them (sglang 0.5.23
+    `srt/mem_cache/radix_cache.py: RadixKey.child_key_at`). Every node of a salted subtree
+    carries it as its ``key_fn``, so a split re-keys the halves correctly and requests with
+    different salts never share a node.
     """
 
     def __init__(self, key_fn, salt: str | bytes) -> None:
@@ -278,7 +281,9 @@ class SaltedKey:
 
 
 class PrefixCache(Protocol):
-    """What the lifecycle and the engine need from a prefix cache (SGLang's BasePrefixCache).
+    """What the lifecycle and the engine need from a prefix cache.
+
+    SGLang's counterpart is sglang 0.5.23 `srt/mem_cache/base_prefix_cache.py: BasePrefixCache`.
 
     ``RadixCache`` (a tree of token runs) and ``hashcache.HashCache`` (vLLM's hashed
     blocks) implement it. A *unit* is a node or a block: it has ``value`` (its slots)

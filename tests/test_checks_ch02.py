@@ -159,8 +159,25 @@ def merge_keeps_node_attached(node):
     return child
 
 
+def merge_keeps_child_time(node):  # the child's own last_access, not the later of the two
+    if node.parent is None or len(node.children) != 1:
+        raise ValueError("merge needs a non-root node with exactly one child")
+    (child,) = node.children.values()
+    if child.ref_count != node.ref_count:
+        raise ValueError("different ref counts")
+    parent = node.parent
+    child.key = as_tokens([*node.key, *child.key])
+    child.value = as_tokens([*node.value, *child.value])
+    child.length = len(child.key)
+    parent.children[node.key_fn(child.key)] = child
+    child.parent = parent
+    node.parent, node.children = None, {}
+    return child
+
+
 @pytest.mark.parametrize("wrong", [merge_upper_survives, merge_forgets_grandchildren,
-                                   merge_never_refuses, merge_keeps_node_attached])
+                                   merge_never_refuses, merge_keeps_node_attached,
+                                   merge_keeps_child_time])
 def test_merge_mutants_rejected(wrong):
     rejects(ch02.check_merge, wrong, "2.1", contains="merge(")
 
@@ -239,3 +256,21 @@ def test_crashes_become_assertions_naming_the_input():
 
     with pytest.raises(AssertionError, match=r"insert_pages\(root, ids=.*raised IndexError"):
         ch02.check_insert_pages(crashes)
+
+
+# --------------------------------------------------------------------------- 2.4 prediction
+
+
+def test_paged_prediction_accepts_the_right_one(capsys):
+    accepts(ch02.check_paged_prediction, {"duplicates": [[], [5], [10, 11]], "nodes": 5},
+            "2.4", capsys)
+
+
+@pytest.mark.parametrize("wrong", [
+    {"duplicates": [[], [5], [10, 11, 12]], "nodes": 5},  # shares the partly matching page
+    {"duplicates": [[], [5], [10]], "nodes": 5},          # stops R at Q's fork
+    {"duplicates": [[], [5], [10, 11]], "nodes": 4},      # forgets the split R causes
+    {"duplicates": [[], [10], [20, 21]], "nodes": 5},     # slots, not page numbers
+])
+def test_paged_prediction_rejects_wrong_ones(wrong):
+    rejects(ch02.check_paged_prediction, wrong, "2.4", contains="your")

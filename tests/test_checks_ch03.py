@@ -32,7 +32,7 @@ def match_walk(root: RadixNode, ids: list[int], page_size: int):
 
 
 def offset_design(x, y, page_size, *, offset_from_aligned=False, new_from_fork=False,
-                  reuse_common=False, original_from_aligned=False):
+                  reuse_common=False, original_from_aligned=False, new_key_at_fork=False):
     common = 0
     while x[common] == y[common]:
         common += 1
@@ -51,7 +51,7 @@ def offset_design(x, y, page_size, *, offset_from_aligned=False, new_from_fork=F
                      "offset": aligned if offset_from_aligned else common - aligned,
                      "key": x[common]},
         "new": {"span": (new_start, len(y)), "blocks": blocks(200, new_start, len(y)),
-                "key": y[common]},
+                "key": y[common] if new_key_at_fork else y[new_start]},
     }
 
 
@@ -187,7 +187,8 @@ def test_match_walk_mutants_rejected(wrong):
 
 
 @pytest.mark.parametrize("kwargs", [dict(offset_from_aligned=True), dict(new_from_fork=True),
-                                    dict(reuse_common=True), dict(original_from_aligned=True)])
+                                    dict(reuse_common=True), dict(original_from_aligned=True),
+                                    dict(new_key_at_fork=True)])
 def test_offset_design_mutants_rejected(kwargs):
     rejects(ch03.check_offset_design, lambda x, y, p: offset_design(x, y, p, **kwargs), "3.2",
             contains="offset_design(")

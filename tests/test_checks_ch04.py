@@ -203,3 +203,22 @@ def test_recompute_cost_accepts_reference(capsys):
 @pytest.mark.parametrize("mutant", [cost_length_only, cost_ignores_depth, cost_off_by_one])
 def test_recompute_cost_rejects_mutants(mutant):
     rejects(ch04.check_recompute_cost, mutant, "4.4", contains="recompute_cost(node")
+
+
+# --------------------------------------------------------------------------- 4.2 prediction
+
+TWIN_FATES = {"kept": [], "duplicate": [8, 9, 10, 11, 12, 13], "cached": [14, 15],
+              "tail": [16, 17]}
+
+
+def test_finish_prediction_accepts_the_right_one(capsys, one_thread):
+    accepts(ch04.check_finish_prediction, TWIN_FATES, "4.2", capsys)
+
+
+@pytest.mark.parametrize("wrong", [
+    {**TWIN_FATES, "tail": [16]},                                  # forgets the unused slot
+    {**TWIN_FATES, "duplicate": [8, 9, 10, 11, 12, 13, 14], "cached": [15]},  # not whole pages
+    {**TWIN_FATES, "kept": [0, 1, 2, 3, 4, 5], "duplicate": []},   # A's slots are not B's
+])
+def test_finish_prediction_rejects_wrong_ones(wrong, one_thread):
+    rejects(ch04.check_finish_prediction, wrong, "4.2", contains="your prediction")

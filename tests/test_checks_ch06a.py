@@ -91,3 +91,21 @@ def test_reference_matches_the_engine(tiny64, case):
                 admitted_at[i] = step
         step += 1
     assert [admitted_at[i] for i in range(len(arrivals))] == right(arrivals, uncached, budget)
+
+
+def test_prediction_accepts_the_right_one(capsys):
+    checks.check_first_token_prediction([0, 1, 1, 2])
+    assert capsys.readouterr().out.startswith("Exercise 6a.1 passed")
+
+
+@pytest.mark.parametrize("wrong", [[0, 0, 1, 2],   # ignores the budget
+                                   [0, 1, 2, 3],   # one request a step
+                                   [0, 2, 1, 2],   # the newcomer overtakes
+                                   "0, 1, 1, 2"])
+def test_prediction_rejects_wrong_ones(wrong):
+    ch06a._failures["6a.1 prediction"] = 0
+    with pytest.raises(AssertionError, match="your prediction") as first:
+        checks.check_first_token_prediction(wrong)
+    with pytest.raises(AssertionError) as second:
+        checks.check_first_token_prediction(wrong)
+    assert "Hint" not in str(first.value) and "Hint" in str(second.value)

@@ -19,15 +19,20 @@ from ..workloads import lookup_steps, prefix_node_counts
 from ._common import as_int_list, call_reader, checker, expect, expect_value_error, passed
 
 __all__ = [
+    "PAGED_REQUESTS",
     "check_insert_pages",
+    "check_paged_prediction",
     "check_merge",
     "check_node_counts",
     "check_split_with_stats",
 ]
 
 
-def _chain(page_size: int, *parts: list[int], ref: int = 0):
-    """root -> parts[0] -> parts[1] -> ...: slots 10, 11, ... in order; returns root, nodes."""
+def _chain(page_size: int, *parts: list[int], ref: int = 0, times: list[int] | None = None):
+    """root -> parts[0] -> parts[1] -> ...: slots 10, 11, ... in order; returns root, nodes.
+
+    Node ``i`` was last accessed at ``times[i]`` (default ``5 + i``: deeper is more recent).
+    """
     fn = page_key(page_size)
     root, parent, slot, nodes = RadixNode(fn), None, 10, []
     parent = root
@@ -36,7 +41,7 @@ def _chain(page_size: int, *parts: list[int], ref: int = 0):
         slot += len(part)
         node.parent = parent
         parent.children[fn(node.key)] = node
-        node.ref_count, node.last_access = ref, 5 + i
+        node.ref_count, node.last_access = ref, (5 + i if times is None else times[i])
         nodes.append(node)
         parent = node
     return root, nodes
@@ -61,11 +66,13 @@ def _snapshot(root: RadixNode) -> list[tuple]:
 # --------------------------------------------------------------------------- 2.1
 
 # (what it shows, page_size, node parts, ref_count, index of the node to merge)
-_MERGE_CASES = [
-    ("a node and its only child, a leaf", 1, [[1, 2, 3], [4, 5]], 0),
-    ("the child has children of its own", 1, [[1, 2], [3], [4, 5, 6]], 0),
-    ("under a parent that is not the root", 1, [[7], [8, 9], [10]], 1),
-    ("locked path, pages of 2", 2, [[1, 2], [3, 4, 5, 6], [7, 8]], 0),
+_MERGE_CASES = [  # name, page size, keys root-down, index of the node to merge, last_access
+    ("a node and its only child, a leaf", 1, [[1, 2, 3], [4, 5]], 0, None),
+    ("the child has children of its own", 1, [[1, 2], [3], [4, 5, 6]], 0, None),
+    ("under a parent that is not the root", 1, [[7], [8, 9], [10]], 1, None),
+    ("locked path, pages of 2", 2, [[1, 2], [3, 4, 5, 6], [7, 8]], 0, None),
+    # a match that ended at the upper node touched it after the child's last use
+    ("the upper node was used more recently than its child", 1, [[1, 2], [3, 4]], 0, [9, 6]),
 ]
 
 
@@ -75,14 +82,15 @@ _MERGE_CASES = [
 def check_merge(merge: Callable[[RadixNode], RadixNode]) -> None:
     """Exercise 2.1: ``merge(node)`` folds a node into its only child; the child survives."""
     tried = 0
-    for name, page, parts, index in _MERGE_CASES:
+    for name, page, parts, index, times in _MERGE_CASES:
         for ref in (0, 2):
-            root, nodes = _chain(page, *parts, ref=ref)
+            root, nodes = _chain(page, *parts, ref=ref, times=times)
             node, child = nodes[index], nodes[index + 1]
             grandkids = list(child.children.values())
             what = f"merge(node {parts[index]}) with its only child {parts[index + 1]} ({name})"
             key = parts[index] + parts[index + 1]
             slots = [*node.value, *child.value]
+            latest = max(node.last_access, child.last_access)
             got = call_reader(what, merge, node)
             expect(got is child,
                    f"{what} returned {got!r}, expected the child object (id {child.id}), now "
@@ -102,9 +110,9 @@ def check_merge(merge: Callable[[RadixNode], RadixNode]) -> None:
                    and set(child.children.values()) == set(grandkids),
                    f"{what}: the survivor's children are {list(child.children.values())}, "
                    f"expected {grandkids}, each with the survivor as parent.")
-            expect(child.ref_count == ref and child.last_access == 5 + index + 1,
+            expect(child.ref_count == ref and child.last_access == latest,
                    f"{what}: the survivor has ref_count {child.ref_count} and last_access "
-                   f"{child.last_access}, expected {ref} and {5 + index + 1}.")
+                   f"{child.last_access}, expected {ref} and {latest} (the later of the two).")
             expect(node.parent is None and not node.children,
                    f"{what}: the folded node still has parent {node.parent!r} and children "
                    f"{node.children}; expected it detached (parent None, no children).")
@@ -269,3 +277,44 @@ def check_insert_pages(insert_pages: Callable[[RadixNode, list[int], list[int]],
                    f"{want_slots}.")
     passed("2.4", f"{len(_PAGED_CASES)} insert sequences: the tree as RadixCache builds it, and "
                   "exactly the duplicate pages returned")
+
+
+# Exercise 2.4's prediction: three requests inserted in order with pages of 2, each
+# computed into slots of its own (request k into slots 10 k, 10 k + 1, ...).
+PAGED_REQUESTS = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 9, 9, 10], [5, 6, 7, 8, 1, 2]]
+
+
+def _paged_truth(page: int = 2) -> dict[str, object]:
+    """Each request's duplicate pages and the tree's node count, through ``RadixCache``."""
+    cache, dups = RadixCache(page_size=page), []
+    for k, ids in enumerate(PAGED_REQUESTS):
+        slots = list(range(10 * k, 10 * k + len(ids)))
+        cached = cache.insert_prefix(ids, slots).cached_len
+        dups.append([s // page for s in slots[:cached:page]])
+    nodes, stack = 0, [cache.root]
+    while stack:
+        node = stack.pop()
+        nodes += not node.is_root()
+        stack.extend(node.children.values())
+    return {"duplicates": dups, "nodes": nodes}
+
+
+@checker("2.4", "A page is shared only when it and every page before it match. Where does "
+                "each request leave the tree, in whole pages, and which nodes does that split?")
+def check_paged_prediction(predicted: dict) -> None:
+    """Exercise 2.4, first part: duplicate pages and node count of ``PAGED_REQUESTS``."""
+    want = _paged_truth()
+    expect(isinstance(predicted, dict) and set(predicted) == set(want),
+           f"your prediction is {predicted!r}; expected a dict with the keys "
+           f"{sorted(want)}, e.g. {{'duplicates': [[], [0], [1, 2]], 'nodes': 3}}.")
+    got = [as_int_list(d) for d in predicted["duplicates"]] if isinstance(
+        predicted["duplicates"], (list, tuple)) else None
+    expect(got == want["duplicates"],
+           f"your duplicate pages are {predicted['duplicates']!r}, expected "
+           f"{want['duplicates']} (request k's own slots are 10 k, 10 k + 1, ...; page = "
+           "slot // 2).")
+    expect(predicted["nodes"] == want["nodes"],
+           f"your tree has {predicted['nodes']!r} nodes besides the root, expected "
+           f"{want['nodes']}.")
+    passed("2.4", f"prediction right: duplicate pages {want['duplicates']}, "
+                  f"{want['nodes']} nodes")

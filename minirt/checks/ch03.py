@@ -113,7 +113,7 @@ def _offset_design(x: list[int], y: list[int], page: int) -> dict:
         "original": {"span": (common, len(x)), "blocks": x_blocks[aligned // page:],
                      "offset": common - aligned, "key": x[common]},
         "new": {"span": (aligned, len(y)), "blocks": _blocks(200, aligned, len(y), page),
-                "key": y[common]},
+                "key": y[aligned]},  # the first token of y's branch, as the chapter's table
     }
 
 

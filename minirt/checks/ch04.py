@@ -28,6 +28,7 @@ __all__ = [
     "check_lock_path",
     "check_page_tables",
     "check_recompute_cost",
+    "check_finish_prediction",
     "check_slot_fates",
     "page_table_story",
 ]
@@ -264,6 +265,25 @@ def check_slot_fates(slot_fates: FatesFn) -> None:
                        f"{what}: {fate!r} is {got[fate]!r}, expected {want[fate]}.")
     passed("4.2", f"{len(FINISH_SCENARIOS)} finishes predicted slot by slot: kept, duplicate "
                   "(freed), newly cached, tail (freed)")
+
+
+@checker("4.2", "Go position by position through B's page table: which positions does the "
+                "tree already hold (A inserted its prompt in whole pages), which whole pages "
+                "does B add, and which slots of B's last page hold no cached token?")
+def check_finish_prediction(predicted: Mapping[str, Sequence[int]]) -> None:
+    """Exercise 4.2, first part: twin B's slots at finish, predicted by hand (pages of 2)."""
+    with _one_thread():
+        lc, req = _scenario_twins(2)
+        want = slot_fates_reference(req, _tree_has(lc, req), lc.pool.page_size)
+    what = "your prediction for B's finish"
+    expect(isinstance(predicted, Mapping) and set(predicted) == set(FATES),
+           f"{what} is {predicted!r}; expected a dict with the keys {list(FATES)}, each a "
+           "list of slots.")
+    for fate in FATES:
+        have = as_int_list(predicted[fate])
+        expect(have is not None and sorted(have) == sorted(want[fate]),
+               f"{what}: {fate!r} is {predicted[fate]!r}, expected {want[fate]}.")
+    passed("4.2", "prediction right: " + ", ".join(f"{k} {v}" for k, v in want.items()))
 
 
 # --------------------------------------------------------------------------- 4.3

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 
 from ._common import expect, passed
 
-__all__ = ["check_first_token_steps"]
+__all__ = ["PREDICT_CASE", "check_first_token_prediction", "check_first_token_steps"]
 
-_failures = {"6a.1": 0}
+_failures = {"6a.1": 0, "6a.1 prediction": 0}
 
 
 def _first_token_steps(arrivals: Sequence[int], uncached: Sequence[int],
@@ -83,3 +83,26 @@ def check_first_token_steps(
                                    FIRST_TOKEN_CASES[2][0], strict=True)]
     passed("6a.1", f"{len(FIRST_TOKEN_CASES)} arrival patterns scheduled right; in the third "
                    f"one the requests wait {waits} steps for their first token")
+
+
+# The case exercise 6a.1 asks the reader to predict by hand before writing any code.
+PREDICT_CASE = ([0, 0, 1, 2], [100, 200, 30, 300], 256)
+
+
+def check_first_token_prediction(predicted: Sequence[int]) -> None:
+    """Exercise 6a.1, first part: the first-token steps of ``PREDICT_CASE``, worked by hand."""
+    arrivals, uncached, budget = PREDICT_CASE
+    expected = _first_token_steps(arrivals, uncached, budget)
+    ok = isinstance(predicted, (list, tuple)) and len(predicted) == len(expected) and all(
+        not isinstance(g, bool) and isinstance(g, int) and g == e
+        for g, e in zip(predicted, expected, strict=True))
+    if not ok:
+        _failures["6a.1 prediction"] += 1
+        nudge = ("" if _failures["6a.1 prediction"] < 2 else
+                 " Hint: at each step, first add the new arrivals to the back of the queue; "
+                 "then admit from its head while the uncached tokens fit what is left of the "
+                 "budget (the first request of a step always goes), and stop at the first "
+                 "that does not fit.")
+        expect(False, f"your prediction for arrivals={arrivals}, uncached={uncached}, "
+                      f"token_budget={budget} is {predicted!r}, expected {expected}.{nudge}")
+    passed("6a.1", f"prediction right: first tokens at steps {expected}")
