@@ -180,7 +180,8 @@ def cache_dfs_weight_order(cache: RadixCache, prompts: Sequence[Any],
     """Indices of ``prompts`` (in queue order) in SGLang's dfs-weight order.
 
     SGLang's walk (sglang 0.5.23 `srt/mem_cache/base_prefix_cache.py: _dfs_weight_order`,
-    called by `srt/managers/schedule_policy.py: SchedulePolicy._sort_by_dfs_weight`):
+    called by sglang 0.5.23
+    `srt/managers/schedule_policy.py: SchedulePolicy._sort_by_dfs_weight`):
     each waiting request sits at the deepest node its cached prefix reaches (its match,
     all but the last token, as the engine matches); a node's weight is the number of
     requests in its subtree; the walk visits children heaviest first (ties in the tree's
@@ -219,10 +220,11 @@ class Scheduler:
     """Orders the waiting queue before each admission step (see the module docstring).
 
     ``order(waiting, cache)`` is called once per step; it counts steps, so it knows how
-    long each request has waited (``waited``), and it counts the prefill tokens of the
-    requests that left the queue since the last step (``processed_tokens``: their
-    uncached tokens as peeked when they were ordered, what the engine then prefills), the
-    clock ``"hrrn"`` ages by. ``defers(prompt, cached_len, admitted)`` is minirt's
+    long each request has waited (``waited``). Under ``"hrrn"`` it also counts the prefill
+    tokens of the requests that left the queue since the last step (``processed_tokens``:
+    their uncached tokens as peeked when they were ordered, what the engine then
+    prefills; whole prompts in steps past the cutoff, where nothing is peeked), the clock
+    HRRN ages by. ``defers(prompt, cached_len, admitted)`` is minirt's
     in-batch sharing rule the admission loop asks about each candidate.
     """
 
@@ -317,9 +319,11 @@ class Scheduler:
         fcfs = sorted(reqs, key=lambda r: r.arrival)
         if policy in ("lpm", "dfs-weight", "hrrn") and cache is None:
             raise ScheduleError(f"policy {policy!r} reads the cache: pass it to order()")
-        cached = {id(r): _peek(cache, r) for r in fcfs} if cache is not None else {}
-        self._last_uncached = {id(r): (r, r.prompt.numel() - cached.get(id(r), 0))
-                               for r in fcfs}
+        peeks = policy in ("lpm", "hrrn") or (policy == "dfs-weight" and self.dfs_walk == "prompts")
+        cached = {id(r): _peek(cache, r) for r in fcfs} if peeks else {}
+        if self.policy == "hrrn":  # past the cutoff nothing is peeked: whole prompts count
+            self._last_uncached = {id(r): (r, r.prompt.numel() - cached.get(id(r), 0))
+                                   for r in fcfs}
         back: set[int] = set()
         if self.in_batch and self.in_batch_rule == "sglang" and policy in ("lpm", "hrrn"):
             back = self._sglang_deprioritized(fcfs, cached)

@@ -309,3 +309,18 @@ def test_engine_rejects_a_bad_schedule(model):
         Scheduler("lpm").order([])
     with pytest.raises(ScheduleError, match="permutation"):
         sequential_cost([[1], [2]], 4, [0, 0])
+
+
+def test_cache_agnostic_policies_do_not_read_the_cache():
+    """FCFS, LOF and random cost a sort, not a lookup per waiting request (section 4.1)."""
+
+    class NoPeek:
+        def peek_prefix_len(self, *args, **kwargs):
+            raise AssertionError("peeked")
+
+    reqs = [SimRequest(torch.tensor([1, 2, 3]), arrival=i, rid=str(i)) for i in range(3)]
+    for policy in ("fcfs", "lof", "random"):
+        assert sorted(Scheduler(policy, in_batch=True, in_batch_rule="sglang")
+                      .order(reqs, NoPeek()), key=lambda r: r.arrival) == reqs
+    with pytest.raises(AssertionError, match="peeked"):
+        Scheduler("lpm").order(reqs, NoPeek())
