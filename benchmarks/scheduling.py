@@ -4,10 +4,11 @@
 
 Part 1 serves a burst of prompt families (four ~30-token system prompts, ``--rounds``
 questions each, arriving round by round) through ``Engine(schedule=...)`` for every
-policy and pool size, in one run: prefill tokens computed, computed / edge-sum bound,
-hit rate, mean and p99 TTFT (seconds, wall clock, noisy on a shared machine). Greedy
-outputs must equal FCFS's (exit status 1 if not). ``--tiny`` runs a random tiny model
-with the real tokenizer: the token columns are the same, only the times differ.
+policy (and SGLang's DFS-weight walk) and pool size, in one run: prefill tokens
+computed, computed / edge-sum bound, hit rate, mean and p99 TTFT (seconds, wall clock,
+noisy on a shared machine). Greedy outputs must equal FCFS's (exit status 1 if not).
+``--tiny`` runs a random tiny model with the real tokenizer: the token columns are the
+same, only the times differ.
 
 Part 2 times one scheduling step (``Scheduler.order``) against queue length, 16 to 1,024
 waiting requests over a cache holding their prefixes: CPU time, median of 5, side by
@@ -26,6 +27,10 @@ import torch
 from minirt.cache import RadixCache, insert_fresh
 from minirt.engine import Engine, Request
 from minirt.scheduler import POLICIES, Scheduler, SimRequest, edge_sum
+
+# every minirt policy, plus SGLang's DFS-weight walk of the cache's tree
+SCHEDULES = {p: (lambda p=p: Scheduler(p)) for p in POLICIES}
+SCHEDULES["dfs (SGLang)"] = lambda: Scheduler("dfs-weight", dfs_walk="cache")
 
 SYSTEMS = [
     "You are a careful travel agent. Answer questions about trains, flights and hotels "
@@ -50,15 +55,15 @@ def policy_table(model, tokenizer, pools: list[int], rounds: int) -> bool:
     prompts = burst(tokenizer, rounds)
     bound, longest = edge_sum(prompts), max(map(len, prompts))
     print(f"burst: {len(prompts)} requests, longest {longest} tokens, edge-sum bound {bound}")
-    print(f"{'pool':>5s} {'policy':>11s} {'computed':>9s} {'/bound':>7s} {'hit rate':>9s} "
+    print(f"{'pool':>5s} {'policy':>13s} {'computed':>9s} {'/bound':>7s} {'hit rate':>9s} "
           f"{'TTFT mean':>10s} {'TTFT p99':>9s}")
     ok, reference = True, None
     for pool in pools:
         if pool < longest:
             print(f"pool {pool} < longest request {longest}: skipped")
             continue
-        for policy in POLICIES:
-            engine = Engine(model, tokenizer, capacity=pool, schedule=policy)
+        for policy, schedule in SCHEDULES.items():
+            engine = Engine(model, tokenizer, capacity=pool, schedule=schedule())
             out = engine.generate([Request(prompt=p, max_new_tokens=1, stop_on_eos=False)
                                    for p in prompts], progress=False)
             reference = reference if reference is not None else out.outputs
@@ -66,7 +71,7 @@ def policy_table(model, tokenizer, pools: list[int], rounds: int) -> bool:
             t = out.totals
             ttft = sorted(r.metrics.ttft for r in out)
             p99 = ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))]
-            print(f"{pool:5d} {policy:>11s} {t.computed_tokens:9d} {t.computed_over_bound:6.2f}x "
+            print(f"{pool:5d} {policy:>13s} {t.computed_tokens:9d} {t.computed_over_bound:6.2f}x "
                   f"{t.hit_rate:9.3f} {sum(ttft) / len(ttft):9.3f}s {p99:8.3f}s")
     print("greedy outputs identical under every policy:", ok)
     return ok
@@ -83,7 +88,9 @@ def scheduling_cost(sizes: list[int]) -> None:
     contenders = {"fcfs": lambda: Scheduler("fcfs"),
                   "lpm": lambda: Scheduler("lpm", lpm_max_queue=10**9),
                   "lpm (cutoff)": lambda: Scheduler("lpm"),
-                  "dfs-weight": lambda: Scheduler("dfs-weight")}
+                  "dfs-weight": lambda: Scheduler("dfs-weight"),
+                  "dfs (SGLang)": lambda: Scheduler("dfs-weight", dfs_walk="cache"),
+                  "hrrn": lambda: Scheduler("hrrn", lpm_max_queue=10**9)}
     print("\nscheduling time per step (CPU ms, median of 5) against queue length")
     print(f"{'queue':>6s}" + "".join(f"{name:>14s}" for name in contenders)
           + f"{'lpm / fcfs':>12s}")

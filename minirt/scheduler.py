@@ -2,27 +2,49 @@
 
 When the pool cannot hold every shared prefix at once, the admission order decides how
 much prefill is repeated. ``Scheduler`` orders the waiting queue before each admission
-step, as SGLang's ``SchedulePolicy.calc_priority`` does:
+step, as SGLang's ``SchedulePolicy.calc_priority`` does (sglang 0.5.23
+`srt/managers/schedule_policy.py: SchedulePolicy.calc_priority`; SGLang's default
+``--schedule-policy`` is ``fcfs``, sglang 0.5.23 `srt/arg_groups/fields/schedule.py`):
 
-* ``"fcfs"``: by arrival (vLLM's default, and minirt's);
-* ``"lpm"``: longest cached prefix first, read from the cache at scheduling time; like
-  SGLang it falls back to FCFS when more than ``lpm_max_queue`` requests wait, because
-  matching every waiting prompt costs time on every step;
-* ``"dfs-weight"``: a depth-first walk of the radix tree of the waiting prompts, the
-  subtree the cache already holds first, then heavier subtrees (more requests) first;
+* ``"fcfs"``: by arrival (vLLM's and SGLang's default, and minirt's);
+* ``"lpm"``: longest cached prefix first, read from the cache at scheduling time (a
+  read-only peek; SGLang's match touches the tree instead); like SGLang it falls back to
+  FCFS when more than ``lpm_max_queue`` (128, a number SGLang's source calls arbitrary)
+  requests wait, for ``"hrrn"`` too;
+* ``"dfs-weight"``: a depth-first walk, heavier subtrees (more requests) first. minirt's
+  default walk (``dfs_walk="prompts"``, ``dfs_weight_order``) is the theorem's offline
+  DFS over the radix tree of the waiting prompts themselves; ``dfs_walk="cache"``
+  (``cache_dfs_weight_order``) is SGLang's: a post-order walk of the *cache's* tree, each
+  request at its deepest cached node (sglang 0.5.23
+  `srt/mem_cache/base_prefix_cache.py: _dfs_weight_order`);
+* ``"hrrn"``: highest response ratio next with token-based aging, SGLang's: prefill
+  tokens processed since the request arrived over its uncached tokens, highest first
+  (sglang 0.5.23 `srt/managers/schedule_policy.py: SchedulePolicy._sort_by_hrrn`);
 * ``"lof"`` (longest output first) and a seeded ``"random"``: baselines.
 
-Two guards ride on any policy: in-batch prefix sharing (``in_batch``: a request with at
-most ``in_batch_max_cached`` cached tokens that shares at least ``in_batch_min_shared``
-uncached tokens with a request admitted earlier in the same step waits one step, so a
-batched prefill computes the new prefix once; SGLang's thresholds are 32 and 32), and
-aging (``max_wait_steps``: a request that has waited that many steps goes first).
+Ties keep arrival order (SGLang sorts its queue in place, so its ties keep the previous
+step's order). Two guards: in-batch prefix sharing (``in_batch``) and aging
+(``max_wait_steps``: a request that has waited that many steps goes first, whatever the
+policy). In-batch sharing has two rules, with SGLang's thresholds (32 and 32):
+
+* ``in_batch_rule="minirt"`` (minirt's, stricter): at admission, a request with at most
+  ``in_batch_max_cached`` cached tokens that shares at least ``in_batch_min_shared``
+  tokens beyond them with a prompt admitted earlier in the same step waits one step
+  (``Scheduler.defers``), on any policy;
+* ``in_batch_rule="sglang"``: SGLang's own (sglang 0.5.23
+  `srt/managers/schedule_policy.py: SchedulePolicy._compute_prefix_matches` and
+  `_sort_by_longest_prefix` beside it): when ordering, each waiting request with at
+  most ``in_batch_max_cached`` cached tokens is matched against the earlier *waiting*
+  requests; if it shares at least ``in_batch_min_shared`` tokens (cached ones included)
+  it is only sorted to the back of this step's order, under ``lpm`` and ``hrrn``. The
+  admission loop still admits it in the same batch if the budget allows (sglang 0.5.23
+  `srt/managers/scheduler.py: Scheduler.get_new_batch_prefill`).
 
 Below the scheduler, the theory of chapter 07: ``sequential_cost`` (tokens computed when
 requests run one at a time through an LRU cache that keeps ``capacity`` tokens),
 ``best_order`` (brute force over every order) and ``dfs_weight_order``; SGLang's Theorem
 3.1 says that with ``capacity`` >= the longest request a DFS order costs exactly
-``edge_sum`` (the radix tree's edge lengths), the least any order can cost.
+``edge_sum`` (the radix tree's edge lengths), the least any order can.
 ``simulate_schedule`` replays arrivals step by step without a model, for measurements
 where only the tokens count (queues, starvation, batched prefill).
 """
@@ -30,6 +52,7 @@ where only the tokens count (queues, starvation, batched prefill).
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -39,8 +62,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .cache import PrefixCache, RadixCache, as_ids
+from .cache import PrefixCache, RadixCache, SaltedKey, as_ids, as_token_view, check_salt
 from .errors import ScheduleError
+from .radix import RadixNode
 from .workloads import unique_prefix_count
 
 __all__ = [
@@ -49,6 +73,7 @@ __all__ = [
     "SimRequest",
     "SimResult",
     "best_order",
+    "cache_dfs_weight_order",
     "cached_prefix_len",
     "dfs_weight_order",
     "edge_sum",
@@ -58,7 +83,9 @@ __all__ = [
     "simulate_schedule",
 ]
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "hrrn", "lof", "random")
+DFS_WALKS = ("prompts", "cache")
+IN_BATCH_RULES = ("minirt", "sglang")
 
 
 class Schedulable(Protocol):
@@ -73,8 +100,12 @@ def cached_prefix_len(cache: PrefixCache, ids: Any, salt: Any = None) -> int:
     """The longest cached prefix of ``ids`` in whole pages, read only.
 
     Unlike ``match_prefix`` it splits no node, touches no access time and counts no
-    statistics: a scheduler peeking at every waiting prompt must not make the cache look
-    hotter than it is.
+    statistics: minirt's choice is that a scheduler peeking at every waiting prompt must
+    not make the cache look hotter than it is. SGLang chooses the opposite on purpose: its
+    cache-aware policies match with ``match_prefix`` (access times, splits), and under the
+    other policies it refreshes the waiting prefixes' access times so that they survive
+    until admission (sglang 0.5.23
+    `srt/managers/schedule_policy.py: SchedulePolicy._touch_waiting_prefixes`).
     """
     return cache.peek_prefix_len(ids, salt=salt)
 
@@ -123,17 +154,84 @@ def dfs_weight_order(prompts: Sequence[Any], cached: Sequence[int] | None = None
     return out
 
 
+def _cached_position(cache: RadixCache, ids: Any, salt: Any = None) -> tuple[RadixNode, int]:
+    """Where ``ids``' cached prefix ends in the tree: a node and how far into its edge.
+
+    The same walk as ``RadixCache.peek_prefix_len`` (read only). SGLang's match splits
+    the node there, so its request sits at a node of its own; here it sits on the edge.
+    """
+    ids, salt = as_token_view(ids), check_salt(salt)
+    key_fn = cache.key_fn if salt is None else SaltedKey(cache.key_fn, salt)
+    node, pos, n = cache.root, 0, len(ids)
+    while n - pos >= cache.page_size:
+        child = node.children.get(key_fn(ids, pos))
+        if child is None:
+            break
+        m = child.get_match_len(ids, pos)
+        pos += m
+        if m < child.length:
+            return (child, m) if m else (node, node.length)
+        node = child
+    return node, node.length
+
+
+def cache_dfs_weight_order(cache: RadixCache, prompts: Sequence[Any],
+                           salts: Sequence[Any] | None = None) -> list[int]:
+    """Indices of ``prompts`` (in queue order) in SGLang's dfs-weight order.
+
+    SGLang's walk (sglang 0.5.23 `srt/mem_cache/base_prefix_cache.py: _dfs_weight_order`,
+    called by sglang 0.5.23
+    `srt/managers/schedule_policy.py: SchedulePolicy._sort_by_dfs_weight`):
+    each waiting request sits at the deepest node its cached prefix reaches (its match,
+    all but the last token, as the engine matches); a node's weight is the number of
+    requests in its subtree; the walk visits children heaviest first (ties in the tree's
+    child order) and puts a node's own requests *after* its children, in queue order.
+    With an empty cache every request sits at the root and the order is the queue's.
+    A request whose match ends inside an edge sits where SGLang's match would split it:
+    after the requests deeper on that edge.
+    """
+    if not isinstance(cache, RadixCache):
+        raise ScheduleError("SGLang's dfs-weight walks a radix tree; "
+                            f"{type(cache).__name__} has none")
+    salts = list(salts) if salts is not None else [None] * len(prompts)
+    at: dict[int, list[tuple[int, int]]] = {}   # id(node) -> [(-depth on its edge, index)]
+    weight: dict[int, int] = {}
+    for i, p in enumerate(prompts):
+        node, depth = _cached_position(cache, list(_tokens(p)[:-1]), salts[i])
+        at.setdefault(id(node), []).append((-depth, i))
+        while node is not None:
+            weight[id(node)] = weight.get(id(node), 0) + 1
+            node = node.parent
+    out: list[int] = []
+    stack: list[tuple[RadixNode, bool]] = [(cache.root, False)]
+    while stack:
+        node, visited = stack.pop()
+        if visited:
+            out.extend(i for _, i in sorted(at.get(id(node), ())))
+            continue
+        stack.append((node, True))
+        children = sorted((c for c in node.children.values() if weight.get(id(c))),
+                          key=lambda c: -weight[id(c)])
+        stack.extend((c, False) for c in reversed(children))
+    return out
+
+
 class Scheduler:
     """Orders the waiting queue before each admission step (see the module docstring).
 
     ``order(waiting, cache)`` is called once per step; it counts steps, so it knows how
-    long each request has waited (``waited``). ``defers(prompt, cached_len, admitted)``
-    is the in-batch sharing rule the admission loop asks about each candidate.
+    long each request has waited (``waited``). Under ``"hrrn"`` it also counts the prefill
+    tokens of the requests that left the queue since the last step (``processed_tokens``:
+    their uncached tokens as peeked when they were ordered, what the engine then
+    prefills; whole prompts in steps past the cutoff, where nothing is peeked), the clock
+    HRRN ages by. ``defers(prompt, cached_len, admitted)`` is minirt's
+    in-batch sharing rule the admission loop asks about each candidate.
     """
 
     def __init__(self, policy: str = "fcfs", *, lpm_max_queue: int = 128,
-                 in_batch: bool = False, in_batch_max_cached: int = 32,
-                 in_batch_min_shared: int = 32, max_wait_steps: int | None = None,
+                 in_batch: bool = False, in_batch_rule: str = "minirt",
+                 in_batch_max_cached: int = 32, in_batch_min_shared: int = 32,
+                 max_wait_steps: int | None = None, dfs_walk: str = "prompts",
                  seed: int = 0) -> None:
         if policy not in POLICIES:
             raise ScheduleError(f"unknown schedule policy {policy!r}; use one of "
@@ -148,18 +246,32 @@ class Scheduler:
                 raise ScheduleError(f"{name} must be an int >= {least}, got {value!r}")
         if not isinstance(in_batch, bool):
             raise ScheduleError(f"in_batch must be True or False, got {in_batch!r}")
+        if in_batch_rule not in IN_BATCH_RULES:
+            raise ScheduleError(f"in_batch_rule must be one of {', '.join(IN_BATCH_RULES)}, "
+                                f"got {in_batch_rule!r}")
+        if dfs_walk not in DFS_WALKS:
+            raise ScheduleError(f"dfs_walk must be one of {', '.join(DFS_WALKS)}, "
+                                f"got {dfs_walk!r}")
         self.policy, self.lpm_max_queue = policy, lpm_max_queue
-        self.in_batch, self.in_batch_max_cached = in_batch, in_batch_max_cached
+        self.in_batch, self.in_batch_rule = in_batch, in_batch_rule
+        self.in_batch_max_cached = in_batch_max_cached
         self.in_batch_min_shared, self.max_wait_steps = in_batch_min_shared, max_wait_steps
-        self.seed = seed
+        self.dfs_walk, self.seed = dfs_walk, seed
         self._rng = random.Random(seed)
         self.steps = 0
-        self.last_policy = policy  # what the last ``order`` used (LPM may fall back)
+        self.processed_tokens = 0
+        self.last_policy = policy  # what the last ``order`` used (LPM, HRRN may fall back)
+        self.last_deprioritized: list = []  # SGLang's in-batch rule, last ``order``
         self._first_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._arrival_processed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._last_uncached: dict[int, tuple[Any, int]] = {}
 
     def active_policy(self, queue_len: int) -> str:
-        """The policy a queue of ``queue_len`` gets: LPM falls back to FCFS past the cutoff."""
-        if self.policy == "lpm" and queue_len > self.lpm_max_queue:
+        """The policy a queue of ``queue_len`` gets: LPM and HRRN fall back to FCFS past the
+        cutoff, as in SGLang's
+        sglang 0.5.23 `srt/managers/schedule_policy.py: SchedulePolicy._determine_active_policy`.
+        """
+        if self.policy in ("lpm", "hrrn") and queue_len > self.lpm_max_queue:
             return "fcfs"
         return self.policy
 
@@ -167,22 +279,68 @@ class Scheduler:
         """Scheduling steps ``request`` has spent waiting (0 in the step it was first seen)."""
         return self.steps - 1 - self._first_seen.get(request, self.steps - 1)
 
+    def waited_tokens(self, request: Schedulable) -> int:
+        """Prefill tokens processed since ``request`` joined the queue (HRRN's clock)."""
+        return self.processed_tokens - self._arrival_processed.get(request,
+                                                                   self.processed_tokens)
+
+    def _sglang_deprioritized(self, fcfs: list, cached: dict[int, int]) -> set[int]:
+        """SGLang's in-batch check: ids of the requests sorted to the back this step.
+
+        Each waiting request (queue order) with at most ``in_batch_max_cached`` cached
+        tokens is matched against the earlier waiting requests checked so far; at least
+        ``in_batch_min_shared`` shared tokens (cached ones included) and it goes to the
+        back, else it joins them."""
+        seen: list[tuple[Any, tuple[int, ...]]] = []
+        out: set[int] = set()
+        for r in fcfs:
+            if cached[id(r)] > self.in_batch_max_cached:
+                continue
+            mine, salt = _tokens(r.prompt), getattr(r, "salt", None)
+            shared = max((len(commonprefix([mine, t])) for s, t in seen if s == salt),
+                         default=0)
+            if shared >= self.in_batch_min_shared:
+                out.add(id(r))
+            else:
+                seen.append((salt, mine))
+        return out
+
     def order(self, waiting: Iterable[Schedulable], cache: PrefixCache | None = None) -> list:
         """The waiting requests in the order this step should try to admit them."""
         reqs = list(waiting)
         step, self.steps = self.steps, self.steps + 1
+        here = {id(r) for r in reqs}
+        self.processed_tokens += sum(n for key, (_, n) in self._last_uncached.items()
+                                     if key not in here)  # left the queue: admitted
         for r in reqs:
             self._first_seen.setdefault(r, step)
+            self._arrival_processed.setdefault(r, self.processed_tokens)
         policy = self.last_policy = self.active_policy(len(reqs))
         fcfs = sorted(reqs, key=lambda r: r.arrival)
-        if policy in ("lpm", "dfs-weight") and cache is None:
+        if policy in ("lpm", "dfs-weight", "hrrn") and cache is None:
             raise ScheduleError(f"policy {policy!r} reads the cache: pass it to order()")
+        peeks = policy in ("lpm", "hrrn") or (policy == "dfs-weight" and self.dfs_walk == "prompts")
+        cached = {id(r): _peek(cache, r) for r in fcfs} if peeks else {}
+        if self.policy == "hrrn":  # past the cutoff nothing is peeked: whole prompts count
+            self._last_uncached = {id(r): (r, r.prompt.numel() - cached.get(id(r), 0))
+                                   for r in fcfs}
+        back: set[int] = set()
+        if self.in_batch and self.in_batch_rule == "sglang" and policy in ("lpm", "hrrn"):
+            back = self._sglang_deprioritized(fcfs, cached)
+        self.last_deprioritized = [r for r in fcfs if id(r) in back]
         if policy == "lpm":
-            ordered = sorted(fcfs, key=lambda r: -_peek(cache, r))
+            ordered = sorted(fcfs, key=lambda r: math.inf if id(r) in back
+                             else -cached[id(r)])
+        elif policy == "hrrn":
+            ordered = sorted(fcfs, key=lambda r: math.inf if id(r) in back else
+                             -self.waited_tokens(r) / (r.prompt.numel() - cached[id(r)]))
+        elif policy == "dfs-weight" and self.dfs_walk == "cache":
+            ordered = [fcfs[i] for i in cache_dfs_weight_order(
+                cache, [r.prompt for r in fcfs], [getattr(r, "salt", None) for r in fcfs])]
         elif policy == "dfs-weight":
-            cached = [_peek(cache, r) for r in fcfs]
             ordered = [fcfs[i] for i in dfs_weight_order(
-                [r.prompt for r in fcfs], cached, [r.arrival for r in fcfs])]
+                [r.prompt for r in fcfs], [cached[id(r)] for r in fcfs],
+                [r.arrival for r in fcfs])]
         elif policy == "lof":
             ordered = sorted(fcfs, key=lambda r: -r.max_new_tokens)
         elif policy == "random":
@@ -198,13 +356,16 @@ class Scheduler:
         return ordered
 
     def defers(self, prompt: Any, cached_len: int, admitted: Sequence[Any]) -> bool:
-        """In-batch sharing: should this candidate wait one step for a prefix being computed?
+        """minirt's in-batch rule: should this candidate wait one step for a prefix being
+        computed?
 
-        True when ``in_batch`` is on, at most ``in_batch_max_cached`` of its tokens are
-        cached, and it shares at least ``in_batch_min_shared`` tokens beyond that with a
-        prompt admitted earlier in this step.
+        True when ``in_batch`` is on with ``in_batch_rule="minirt"``, at most
+        ``in_batch_max_cached`` of its tokens are cached, and it shares at least
+        ``in_batch_min_shared`` tokens beyond that with a prompt admitted earlier in this
+        step. SGLang's rule only reorders (``order``); its admission has no such check.
         """
-        if not self.in_batch or not admitted or cached_len > self.in_batch_max_cached:
+        if not self.in_batch or self.in_batch_rule != "minirt" or not admitted \
+                or cached_len > self.in_batch_max_cached:
             return False
         mine = _tokens(prompt)
         for other in admitted:
@@ -214,8 +375,9 @@ class Scheduler:
         return False
 
     def __repr__(self) -> str:
-        extra = "".join([f", in_batch=({self.in_batch_max_cached}, {self.in_batch_min_shared})"
-                         if self.in_batch else "",
+        extra = "".join([f", in_batch={self.in_batch_rule}({self.in_batch_max_cached}, "
+                         f"{self.in_batch_min_shared})" if self.in_batch else "",
+                         f", dfs_walk={self.dfs_walk!r}" if self.dfs_walk != "prompts" else "",
                          f", max_wait_steps={self.max_wait_steps}"
                          if self.max_wait_steps is not None else ""])
         return f"Scheduler({self.policy!r}, lpm_max_queue={self.lpm_max_queue}{extra})"

@@ -127,11 +127,13 @@ def _text(tokenizer: Any, ids: list[int], max_tokens: int) -> str:
 
 
 def _label_lines(node: RadixNode, tokenizer: Any, max_tokens: int, slot_prefix: str,
-                 show_ids: bool) -> list[str]:
+                 show_ids: bool, compact: bool = False) -> list[str]:
     if node.is_root():
         return ["root"]
     keys = node.key.tolist()
     tokens = _text(tokenizer, keys, max_tokens) if tokenizer else _shorten_ids(keys, max_tokens)
+    if compact:
+        return [tokens, f"{node.length} tokens" if node.length != 1 else "1 token"]
     lines = [tokens, "slots " + _shorten_ids(node.value.tolist(), max_tokens, slot_prefix),
              f"ref={node.ref_count}  last={node.last_access}"]
     if show_ids:
@@ -146,11 +148,13 @@ def _escape(line: str) -> str:
 
 def draw_tree(tree: Any, tokenizer: Any = None, highlight: Any = None, max_tokens: int = 8, *,
               slot_prefix: str = "p", show_ids: bool = False, legend: bool = True,
-              title: str | None = None, rankdir: str = "TB") -> graphviz.Digraph:
+              title: str | None = None, rankdir: str = "TB",
+              compact: bool = False) -> graphviz.Digraph:
     """A graphviz drawing of a RadixCache (or the subtree under a RadixNode).
 
     Nodes show their tokens (decoded if ``tokenizer`` is given, at most ``max_tokens``,
-    then "… +N tokens"), pool slots, ref_count and last access tick. ``highlight``
+    then "… +N tokens"), pool slots, ref_count and last access tick; ``compact`` shows
+    only the tokens and the edge's length (the tree's structure). ``highlight``
     (a node, a handle, a MatchResult/InsertResult, or a list of nodes) is drawn bold;
     for a node or handle, the whole path from the root. Deterministic ``.source``.
     """
@@ -169,7 +173,7 @@ def draw_tree(tree: Any, tokenizer: Any = None, highlight: Any = None, max_token
         attrs = dict(STYLE[node_state(node)])
         if id(node) in bold:
             attrs.update(STYLE["highlight"])
-        lines = _label_lines(node, tokenizer, max_tokens, slot_prefix, show_ids)
+        lines = _label_lines(node, tokenizer, max_tokens, slot_prefix, show_ids, compact)
         graph.node(name, "\\n".join(_escape(ln) for ln in lines), **attrs)
         parent = node.parent
         if parent is not None and id(parent) in names:

@@ -20,6 +20,7 @@ from minirt.scheduler import (
     Scheduler,
     SimRequest,
     best_order,
+    cache_dfs_weight_order,
     cached_prefix_len,
     dfs_weight_order,
     edge_sum,
@@ -66,10 +67,12 @@ def test_every_policy_gives_fcfs_tokens(model, workload, policy, in_batch):
         return out
 
     base = run("fcfs")
-    other = run(Scheduler(policy, in_batch=in_batch, in_batch_max_cached=4,
-                          in_batch_min_shared=2, max_wait_steps=3))
-    assert other.outputs == base.outputs
-    assert all(r.ok for r in other)
+    for rule, walk in (("minirt", "prompts"), ("sglang", "cache")):
+        other = run(Scheduler(policy, in_batch=in_batch, in_batch_rule=rule,
+                              in_batch_max_cached=4, in_batch_min_shared=2, max_wait_steps=3,
+                              dfs_walk=walk))
+        assert other.outputs == base.outputs
+        assert all(r.ok for r in other)
 
 
 def test_fcfs_default_keeps_arrival_order(model):
@@ -108,6 +111,79 @@ def test_policy_orders(model):
     assert sorted(rid(schedule_order(reqs, "random"))) == [0, 1, 2, 3, 4]
     assert rid(schedule_order(reqs, "dfs-weight", RadixCache())) == [1, 3, 4, 0, 2]
     assert dfs_weight_order([[1, 2, 3], [5], [1, 2], [5, 6], [5, 7]]) == [1, 3, 4, 2, 0]
+
+
+def test_sglang_dfs_weight_walks_the_cache_tree():
+    """Each request at its deepest cached node, post-order, heavier subtrees first."""
+    cache = RadixCache()
+    insert_fresh(cache, [7, 8, 9, 10, 12], 0)
+    insert_fresh(cache, [1, 2, 6], 5)
+    prompts = [[1, 2, 3], [7, 8, 9, 10], [1, 2, 4], [7, 8, 9, 11], [7, 8, 5], [4, 4]]
+    # [7,8..]: three requests (two at depth 3 of its edge, one at depth 2); [1,2..]: two;
+    # [4,4] has nothing cached and sits at the root, after every child.
+    assert cache_dfs_weight_order(cache, prompts) == [1, 3, 4, 0, 2, 5]
+    assert cache_dfs_weight_order(RadixCache(), prompts) == list(range(6))  # queue order
+    assert dfs_weight_order(prompts) != list(range(6))  # minirt's walk groups them anyway
+    # a node's own requests come after its children's, whatever the queue order
+    assert cache_dfs_weight_order(cache, [[7, 8, 5], [7, 8, 9, 10]]) == [1, 0]
+    assert cache_dfs_weight_order(cache, [[1, 2, 3]], ["tenant"]) == [0]  # salted: root
+    with pytest.raises(ScheduleError, match="radix tree"):
+        cache_dfs_weight_order(object(), prompts)
+
+
+def test_hrrn_ages_by_prefill_tokens(model):
+    lc, reqs = _lc_requests(model, [[1, 2, 3, 4, 5, 6], [7, 8, 9]])
+    s = Scheduler("hrrn")
+    assert s.order(reqs, lc.cache) == reqs  # nothing waited yet: arrival order
+    late = lc.new_request([7, 8, 9, 9], 1)
+    late.arrival = 5
+    # reqs[1] left the queue (admitted): its 3 uncached tokens are processed, which
+    # reqs[0] (6 uncached) waited through; the newcomer waited none
+    assert s.order([late, reqs[0]], lc.cache) == [reqs[0], late]
+    assert s.processed_tokens == 3 and s.waited_tokens(reqs[0]) == 3
+    assert s.waited_tokens(late) == 0
+    # the ratio divides by the uncached tokens: a cached prefix raises it
+    insert_fresh(lc.cache, [1, 2, 3, 4, 5], 0)
+    rival = lc.new_request([9, 9, 9, 9, 9, 9], 1)
+    rival.arrival = -1
+    s.order([rival, reqs[0], late], lc.cache)  # rival joins: it waited nothing yet
+    assert s.order([rival, reqs[0], late], lc.cache)[0] is reqs[0]  # 3 waited / 1 uncached
+    assert Scheduler("fcfs").order([rival, reqs[0]])[0] is rival  # arrival alone: rival
+    assert Scheduler("hrrn", lpm_max_queue=1).active_policy(2) == "fcfs"  # the cutoff
+
+
+def test_hrrn_bounds_the_loners_wait_without_a_parameter():
+    warm = [SimRequest(torch.tensor(list(range(200, 232)) + [0]), rid="warm")]
+    res = simulate_schedule(warm + _stream(40), 256, Scheduler("hrrn"), token_budget=8)
+    assert next(r for r in res.requests if r.rid == "loner").wait <= 3
+    starved = simulate_schedule(warm + _stream(40), 256, Scheduler("lpm"), token_budget=8)
+    assert res.computed == starved.computed
+
+
+def test_sglang_in_batch_rule_only_reorders():
+    common = list(range(100, 164))
+    four = lambda: [SimRequest(torch.tensor(common + [i]), rid=f"r{i}") for i in range(4)]  # noqa: E731
+    sglang = Scheduler("lpm", in_batch=True, in_batch_rule="sglang")
+    res = simulate_schedule(four(), 1024, sglang, token_budget=512)
+    assert res.computed == 4 * 65 and res.steps == 1  # all four in one batch
+    assert not sglang.defers(common + [9], 0, [torch.tensor(common + [8])])
+    minirt = simulate_schedule(four(), 1024, Scheduler("lpm", in_batch=True), token_budget=512)
+    assert minirt.computed == 65 + 3 and minirt.steps == 2
+    # where it helps: a budget of two requests, two families interleaved behind each other
+    fam = lambda s: [SimRequest(torch.tensor(list(range(s, s + 64)) + [i]), rid=f"{s}-{i}")  # noqa: E731
+                     for i in range(3)]
+    plain = simulate_schedule(fam(300) + fam(400), 1024, Scheduler("lpm"), token_budget=130)
+    rule = Scheduler("lpm", in_batch=True, in_batch_rule="sglang")
+    helped = simulate_schedule(fam(300) + fam(400), 1024, rule, token_budget=130)
+    assert helped.admitted[:2] == ["300-0", "400-0"] and plain.admitted[:2] == ["300-0", "300-1"]
+    assert helped.computed == 2 * 65 + 4 < plain.computed
+    # the rule counts cached tokens too, and skips requests with more than 32 cached
+    cache = RadixCache()
+    insert_fresh(cache, common[:40], 0)
+    reqs = four()
+    ordered = rule.order(reqs, cache)
+    assert ordered == reqs and rule.last_deprioritized == []  # 40 cached > 32: no check
+    assert Scheduler("fcfs", in_batch=True, in_batch_rule="sglang").order(reqs) == reqs
 
 
 def test_lpm_falls_back_to_fcfs_past_the_cutoff(model):
@@ -215,6 +291,8 @@ def test_no_request_waits_past_the_aging_limit(limit, policy, seed):
     ({"max_wait_steps": -1}, "max_wait_steps"),
     ({"max_wait_steps": 2.5}, "max_wait_steps"),
     ({"in_batch": "yes"}, "in_batch must be True or False"),
+    ({"in_batch_rule": "vllm"}, "in_batch_rule must be one of minirt, sglang"),
+    ({"dfs_walk": "tree"}, "dfs_walk must be one of prompts, cache"),
 ])
 def test_bad_settings_are_rejected(kwargs, match):
     with pytest.raises(ScheduleError, match=match):
@@ -231,3 +309,18 @@ def test_engine_rejects_a_bad_schedule(model):
         Scheduler("lpm").order([])
     with pytest.raises(ScheduleError, match="permutation"):
         sequential_cost([[1], [2]], 4, [0, 0])
+
+
+def test_cache_agnostic_policies_do_not_read_the_cache():
+    """FCFS, LOF and random cost a sort, not a lookup per waiting request (section 4.1)."""
+
+    class NoPeek:
+        def peek_prefix_len(self, *args, **kwargs):
+            raise AssertionError("peeked")
+
+    reqs = [SimRequest(torch.tensor([1, 2, 3]), arrival=i, rid=str(i)) for i in range(3)]
+    for policy in ("fcfs", "lof", "random"):
+        assert sorted(Scheduler(policy, in_batch=True, in_batch_rule="sglang")
+                      .order(reqs, NoPeek()), key=lambda r: r.arrival) == reqs
+    with pytest.raises(AssertionError, match="peeked"):
+        Scheduler("lpm").order(reqs, NoPeek())
