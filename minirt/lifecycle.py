@@ -11,7 +11,11 @@ engine of chapter 06 reuses them):
    (``evict`` hands back slots, which go back on the pool's free list).
 5. ``prefill`` on the model through the pool, then ``insert_running``: the new tokens join
    the tree; duplicates another request inserted meanwhile are freed *after* the request's
-   page table is re-pointed at the tree's copy; the lock moves to the longer prefix.
+   page table is re-pointed at the tree's copy; the lock moves to the longer prefix. That
+   order is minirt's: SGLang frees the duplicates first and re-points in the same call
+   (sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache._insert_cache,
+   RadixCache.checkpoint`), and mini-sglang frees them without re-pointing (mini-sglang
+   `python/minisgl/scheduler/cache.py: CacheManager.cache_req`).
 6. ``decode`` steps (a batch of requests of different lengths), then ``finish``: insert
    prompt + output, unlock, free the tail that is not a whole page.
 7. ``make_room``: evict (policy-driven, tree-level) versus ``KVPool.free`` (plain return).
