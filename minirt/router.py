@@ -276,6 +276,21 @@ class ApproxTree:
             stack.extend(node.children.values())
         return count
 
+    def text(self, width: int = 24) -> str:
+        """The tree as indented lines, children in key order: each node's text (cut to
+        ``width`` characters) and the tenants (replicas) holding it."""
+        lines: list[str] = []
+
+        def walk(node: _Node, depth: int) -> None:
+            for key in sorted(node.children):
+                child = node.children[key]
+                shown = child.text if len(child.text) <= width else child.text[:width - 3] + "..."
+                lines.append(f"{'  ' * depth}{shown!r} tenants {sorted(child.tenants)}")
+                walk(child, depth + 1)
+
+        walk(self.root, 0)
+        return "\n".join(lines)
+
     def check_integrity(self) -> None:
         """Sizes equal the held characters; every tenant of a node holds its parent; no
         empty leaf; children keyed by their first character. AssertionError if not."""
