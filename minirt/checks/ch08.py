@@ -86,10 +86,11 @@ def check_mm_chain_hashes(mm_chain_hashes: Callable) -> None:
         if got_list == expected:
             continue
         if not isinstance(got_list, list) or len(got_list) != len(expected):
-            detail = (f"a result of length {len(got_list) if isinstance(got_list, list) else '?'}"
-                      f" where {len(expected)} full blocks were expected")
+            n = len(got_list) if isinstance(got_list, list) else "?"
+            detail = f"a result of length {n} where {len(expected)} full blocks were expected"
         else:
-            first = next(i for i, (x, y) in enumerate(zip(got_list, expected, strict=True)) if x != y)
+            pairs = zip(got_list, expected, strict=True)
+            first = next(i for i, (x, y) in enumerate(pairs) if x != y)
             detail = f"hashes that agree with the expected ones up to block {first} only"
         _fail("8.1", f"mm_chain_hashes(tokens={tokens}, block_size={bs}, images={images}) "
                      f"returned {detail}.")
