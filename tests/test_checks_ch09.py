@@ -63,7 +63,7 @@ def test_break_even_hints_escalate():
     assert "Hint" in str(second.value)
 
 
-# ---------------------------------------------------------------- Exercise 9a.2
+# ---------------------------------------------------------------- Exercise 9.4
 
 def _make_replication(prefix_per_replica=True, balance_cold=True, tie_total=True,
                       only=None):
@@ -99,7 +99,7 @@ def _make_replication(prefix_per_replica=True, balance_cold=True, tie_total=True
 
 def test_replication_accepts_the_reference(capsys):
     checks.check_best_replication(_make_replication())
-    assert capsys.readouterr().out.startswith("Exercise 9a.2 passed")
+    assert capsys.readouterr().out.startswith("Exercise 9.4 passed")
 
 
 @pytest.mark.parametrize("wrong", [
@@ -113,7 +113,7 @@ def test_replication_rejects_wrong_answers(wrong):
         checks.check_best_replication(wrong)
 
 
-# ---------------------------------------------------------------- Exercise 9a.1
+# ---------------------------------------------------------------- Exercise 9.2
 
 def _lcp(a, b):
     n = 0
@@ -150,7 +150,7 @@ def _make_router(at_least=False, either=False, latest=False, no_balance=False):
 
 def test_route_trace_accepts_the_reference(capsys):
     checks.check_route_trace(_make_router())
-    assert capsys.readouterr().out.startswith("Exercise 9a.1 passed")
+    assert capsys.readouterr().out.startswith("Exercise 9.2 passed")
 
 
 @pytest.mark.parametrize("wrong", [
@@ -164,7 +164,7 @@ def test_route_trace_rejects_wrong_answers(wrong):
         checks.check_route_trace(wrong)
 
 
-# ---------------------------------------------------------------- Exercise 9.2
+# ---------------------------------------------------------------- Exercise 9.3
 
 def _make_tiers(reset_hits=True, recount=False, refresh=True, strict=False,
                 load_is_insert=True):
@@ -212,7 +212,7 @@ def _make_tiers(reset_hits=True, recount=False, refresh=True, strict=False,
 
 def test_tier_counts_accepts_the_reference(capsys):
     checks.check_tier_counts(_make_tiers())
-    assert capsys.readouterr().out.startswith("Exercise 9.2 passed")
+    assert capsys.readouterr().out.startswith("Exercise 9.3 passed")
 
 
 @pytest.mark.parametrize("wrong", [
@@ -227,13 +227,13 @@ def test_tier_counts_rejects_wrong_answers(wrong):
         checks.check_tier_counts(wrong)
 
 
-# ---------------------------------------------------------------- Exercise 9a.2, the prediction
+# ---------------------------------------------------------------- Exercise 9.4, the prediction
 
 
 def test_spread_guesses(capsys):
     right = {"long prefix, few hot": 1, "short prefix, many hot": 4, "hot tenant alone": 4}
     checks.check_spread_guesses(right)
-    assert capsys.readouterr().out.startswith("Exercise 9a.2 passed")
+    assert capsys.readouterr().out.startswith("Exercise 9.4 passed")
     for wrong in ({**right, "long prefix, few hot": 4},  # spreads a long prefix
                   {**right, "short prefix, many hot": 1, "hot tenant alone": 1},  # never spreads
                   {"long prefix, few hot": 1}):  # not every case

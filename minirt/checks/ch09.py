@@ -1,6 +1,6 @@
-"""Checkers for chapter 09 (9.1, 9.2: when loading back beats recomputing, the hits a write
-policy gives) and its part 09a (9a.1, 9a.2: the replica the router picks, how far to
-spread a hot prefix, predicted first).
+"""Checkers for chapter 09's exercises, which cover 09 and its part 09a: when loading back
+beats recomputing (9.1), the replica the router picks (9.2), the hits a write policy gives
+(9.3), and how far to spread a hot prefix, predicted first (9.4).
 
 Each checker runs the reader's function on inputs of its own, compares with a reference
 (computed here, or by ``minirt.router`` and ``minirt.tiers``) and names the first input
@@ -76,11 +76,11 @@ def check_load_break_even(fn: Callable) -> None:
                   "never wins")
 
 
-# ---------------------------------------------------------------- 9a.1 the router's choices
+# ---------------------------------------------------------------- 9.2 the router's choices
 
 def route_trace(events, num_replicas: int, cache_threshold: float, abs_threshold: int,
                 rel_threshold: float) -> list[int]:
-    """Reference for 9a.1: ``minirt.router.CacheAwareRouter`` run on ``events``."""
+    """Reference for 9.2: ``minirt.router.CacheAwareRouter`` run on ``events``."""
     from ..router import CacheAwareRouter
 
     router = CacheAwareRouter(num_replicas, cache_threshold=cache_threshold,
@@ -149,12 +149,12 @@ ROUTE_CASES = [
 ]
 
 
-@checker("9a.1", "Keep the router's own state: requests in flight per replica and every "
+@checker("9.2", "Keep the router's own state: requests in flight per replica and every "
                 "text sent to each. Decide in this order: is the load imbalanced (both "
                 "tests)? if not, how much of the text matches what was sent before, and "
                 "is that strictly above the threshold? Then record the text.")
 def check_route_trace(fn: Callable) -> None:
-    """Exercise 9a.1: ``fn(events, num_replicas, cache_threshold, balance_abs_threshold,
+    """Exercise 9.2: ``fn(events, num_replicas, cache_threshold, balance_abs_threshold,
     balance_rel_threshold)`` -> the replica of each routed request, in order."""
     rng = random.Random(92)
     cases = list(ROUTE_CASES) + [(_random_events(rng, 24, 3, 0.5, 2, 1.5), 3, 0.5, 2, 1.5)
@@ -173,16 +173,16 @@ def check_route_trace(fn: Callable) -> None:
             expect(False, f"route_trace(events={events}, num_replicas={n}, cache_threshold="
                           f"{ct}, balance_abs_threshold={ab}, balance_rel_threshold={rel}) "
                           f"returned {got!r}; expected {want}{where}.")
-    passed("9a.1", f"the router's choices on {len(cases)} traces")
+    passed("9.2", f"the router's choices on {len(cases)} traces")
 
 
-# ---------------------------------------------------------------- 9.2 a write policy's hits
+# ---------------------------------------------------------------- 9.3 a write policy's hits
 
 DOC_LEN = 3  # tokens per document in the reference run (any length gives the same counts)
 
 
 def tier_counts(trace, device_docs: int, policy: str, threshold: int) -> tuple[int, int, int, int]:
-    """Reference for 9.2: ``minirt.tiers.HiRadixCache`` serving ``trace`` (document ids),
+    """Reference for 9.3: ``minirt.tiers.HiRadixCache`` serving ``trace`` (document ids),
     each document ``DOC_LEN`` tokens no other shares, the device holding ``device_docs`` of
     them and the host all of them. (device hits, host hits, misses, documents written)."""
     from ..pool import KVPool
@@ -221,15 +221,15 @@ TIER_CASES = [
     ([0, 1, 0, 1, 2, 0], 2, "write_through_selective", 1),
 ]
 
-_NUDGE_92 = ("Keep the device as a list in LRU order and the host as a set. Ask for each "
+_NUDGE_93 = ("Keep the device as a list in LRU order and the host as a set. Ask for each "
              "request: on the device? on the host? neither? Then ask what each policy copies "
              "and when: at a miss, at an eviction, or at the k-th hit since the document last "
              "entered the device. A document already on the host is not copied again.")
 
 
-@checker("9.2", _NUDGE_92)
+@checker("9.3", _NUDGE_93)
 def check_tier_counts(fn: Callable) -> None:
-    """Exercise 9.2: ``fn(trace, device_docs, policy, threshold)`` -> (device hits, host
+    """Exercise 9.3: ``fn(trace, device_docs, policy, threshold)`` -> (device hits, host
     hits, misses, documents written to the host)."""
     rng = random.Random(93)
     cases = list(TIER_CASES)
@@ -248,11 +248,11 @@ def check_tier_counts(fn: Callable) -> None:
         expect(ok, f"tier_counts(trace={trace}, device_docs={d}, policy={policy!r}, "
                    f"threshold={k}) returned {got!r}; expected (device hits, host hits, "
                    f"misses, written) = {want}.")
-    passed("9.2", f"{len(cases)} traces under all three write policies, counted as "
+    passed("9.3", f"{len(cases)} traces under all three write policies, counted as "
                   "minirt.tiers counts them")
 
 
-# ---------------------------------------------------------------- 9a.2 spreading a hot prefix
+# ---------------------------------------------------------------- 9.4 spreading a hot prefix
 
 def spread_loads(k: int, n_hot: int, prefix_len: int, suffix_len: int, n_cold: int,
                  cold_len: int, replicas: int) -> list[int]:
@@ -274,7 +274,7 @@ def spread_loads(k: int, n_hot: int, prefix_len: int, suffix_len: int, n_cold: i
 
 def best_replication(n_hot: int, prefix_len: int, suffix_len: int, n_cold: int,
                      cold_len: int, replicas: int) -> tuple[int, int, int]:
-    """Reference for 9a.2: (k, busiest replica's tokens, total tokens) for the best k."""
+    """Reference for 9.4: (k, busiest replica's tokens, total tokens) for the best k."""
     best = None
     for k in range(1, replicas + 1):
         loads = spread_loads(k, n_hot, prefix_len, suffix_len, n_cold, cold_len, replicas)
@@ -297,15 +297,15 @@ REPLICATION_CASES = [
     (20, 600, 30, 20, 300, 4),
 ]
 
-_NUDGE_9A2 = ("Try every k from 1 to the number of replicas and compute each replica's "
+_NUDGE_94 = ("Try every k from 1 to the number of replicas and compute each replica's "
              "tokens: a replica that gets hot requests computes the prefix once, and each "
              "cold request then goes to whichever replica has the least so far. Among "
              "equal busiest loads, prefer fewer tokens in all.")
 
 
-@checker("9a.2", _NUDGE_9A2)
+@checker("9.4", _NUDGE_94)
 def check_best_replication(fn: Callable) -> None:
-    """Exercise 9a.2: ``fn(n_hot, prefix_len, suffix_len, n_cold, cold_len, replicas)`` ->
+    """Exercise 9.4: ``fn(n_hot, prefix_len, suffix_len, n_cold, cold_len, replicas)`` ->
     ``(k, busiest, total)``."""
     for args in REPLICATION_CASES:
         want = best_replication(*args)
@@ -318,10 +318,10 @@ def check_best_replication(fn: Callable) -> None:
                    f"suffix_len={args[2]}, n_cold={args[3]}, cold_len={args[4]}, "
                    f"replicas={args[5]}) returned {got!r}; expected (k, busiest, total) = "
                    f"{want}.")
-    passed("9a.2", f"the best spread of {len(REPLICATION_CASES)} skewed workloads")
+    passed("9.4", f"the best spread of {len(REPLICATION_CASES)} skewed workloads")
 
 
-# The workloads of Exercise 9a.2's prediction: (n_hot, prefix_len, suffix_len, n_cold,
+# The workloads of Exercise 9.4's prediction: (n_hot, prefix_len, suffix_len, n_cold,
 # cold_len, replicas), named as the exercise names them.
 SPREAD_GUESS_CASES = {
     "long prefix, few hot": (3, 1000, 10, 30, 100, 4),
@@ -330,10 +330,10 @@ SPREAD_GUESS_CASES = {
 }
 
 
-@checker("9a.2 prediction", "Ask what the busiest replica computes when the hot tenant "
+@checker("9.4 prediction", "Ask what the busiest replica computes when the hot tenant "
          "stays on one replica, and what each extra replica costs in prefix copies.")
 def check_spread_guesses(guesses: dict) -> None:
-    """Exercise 9a.2, the prediction: ``guesses`` maps each name of ``SPREAD_GUESS_CASES`` to
+    """Exercise 9.4, the prediction: ``guesses`` maps each name of ``SPREAD_GUESS_CASES`` to
     the number of replicas (1..replicas) the hot tenant is best spread over."""
     expect(isinstance(guesses, dict) and set(guesses) == set(SPREAD_GUESS_CASES),
            f"guesses must be a dict with the keys {sorted(SPREAD_GUESS_CASES)}; got "
@@ -343,4 +343,4 @@ def check_spread_guesses(guesses: dict) -> None:
     expect(not wrong, f"your guess for {wrong[0]!r} (n_hot, prefix_len, suffix_len, n_cold, "
                       f"cold_len, replicas = {SPREAD_GUESS_CASES[wrong[0]]}) was "
                       f"{guesses[wrong[0]]!r}; it is not the best k." if wrong else "")
-    passed("9a.2", f"all {len(SPREAD_GUESS_CASES)} predictions right")
+    passed("9.4", f"all {len(SPREAD_GUESS_CASES)} predictions right")
