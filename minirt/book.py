@@ -36,7 +36,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     6: ("engine", "serve", "replay"),  # serve and replay: chapter 06a, part of chapter 6
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),
-    9: ("tiers", "router"),
+    9: ("tiers", "router", "server_map"),  # server_map: chapter 09a, part of chapter 9
     11: ("hybrid", "state"),
 }
 

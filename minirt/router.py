@@ -5,13 +5,15 @@ with its own pool, the router decides how much of that reuse survives: send a te
 requests to the replica that already holds its system prompt and the prefix is computed
 once; spread them round-robin and every replica computes it again.
 
-``CacheAwareRouter`` is the cache-aware policy of SGLang's router (PyPI
-``sglang-router==0.3.2``, sgl-model-gateway: ``src/policies/cache_aware.rs`` and
-``src/policies/tree.rs``), with its defaults from ``sglang_router/router_args.py``:
+``CacheAwareRouter`` is the cache-aware policy of SGLang's router (PyPI ``sglang-router``,
+version 0.3.2, a Rust binary), read from its source: sglang-router 0.3.2
+`src/policies/cache_aware.rs: CacheAwarePolicy` and
+sglang-router 0.3.2 `src/policies/tree.rs: Tree`, with the defaults of
+sglang-router 0.3.2 `src/sglang_router/router_args.py: RouterArgs`:
 
-* the router never sees a replica's cache. It keeps an *approximate* radix tree per
-  replica, over the **text** (characters, not token ids) of the requests it sent there
-  (``ApproxTree``: one tree whose nodes record which replicas, "tenants", hold them);
+* the router never sees a replica's cache. It keeps an *approximate* radix tree over
+  the **text** (characters, not token ids) of the requests it routed: one tree per
+  model, whose nodes record which replicas ("tenants") were sent them (``ApproxTree``);
 * load is its own count of requests in flight per replica (``route`` adds one,
   ``done`` removes it);
 * if ``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold * min``
@@ -20,14 +22,14 @@ once; spread them round-robin and every replica computes it again.
   prefix in the tree; above ``cache_threshold`` (strictly) the request goes to a replica
   holding that prefix, else to the least-loaded replica. Ties between loads go to the
   lowest index (Rust's ``min_by_key`` keeps the first minimum);
-* the request's text is then inserted under the chosen replica, and each replica's tree
-  is cut back to ``max_tree_size`` characters by evicting its least recently used leaves.
+* the request's text is then inserted under the chosen replica. The real router cuts
+  each tenant's part of the tree back to ``max_tree_size`` characters on a timer, every
+  ``eviction_interval_secs`` (60 by default), evicting least recently used leaves.
 
-Read from sgl-project/sglang ``sgl-model-gateway/src/policies/cache_aware.rs``
-(``select_worker``, ``select_worker_min_load``) and ``tree.rs`` (``insert``,
-``prefix_match_with_counts``, ``evict_tenant_by_size``), the versions with mesh sync and
-``select_worker_min_load`` that the 0.3.2 wheel's binary carries; checked against the
-wheel itself by ``tools/router_demo.py``. Where this module is simpler: a match reports
+The functions read are ``CacheAwarePolicy`` (``select_worker``,
+``select_worker_min_load``, ``evict_cache``) and ``Tree`` (``insert``,
+``prefix_match_with_counts``, ``evict_tenant_by_size``); ``tools/router_demo.py`` checks
+this module against the wheel itself. Where this module is simpler: a match reports
 the first replica that reached the matched node (the real tree caches that one too, and
 falls back to a hash-map's order); every match refreshes the node's access time (the
 real one, 1 match in 8); eviction runs every ``evict_every`` requests, not on a timer;
@@ -80,7 +82,7 @@ __all__ = [
     "tenant_chats",
 ]
 
-# sglang-router 0.3.2, sglang_router/router_args.py (RouterArgs defaults).
+# The defaults of sglang-router 0.3.2 (RouterArgs in src/sglang_router/router_args.py).
 DEFAULTS: dict[str, float | int] = {
     "cache_threshold": 0.3,
     "balance_abs_threshold": 64,
@@ -126,7 +128,7 @@ class TreeMatch:
 
 
 class ApproxTree:
-    """The router's multi-tenant radix tree over request text (sgl-model-gateway ``Tree``).
+    """The router's multi-tenant radix tree over request text (the router's Rust ``Tree``).
 
     One tree for all replicas: each node records which tenants (replica indices) sent a
     text through it. ``size(t)`` is the characters of all nodes tenant ``t`` holds, the
@@ -273,6 +275,21 @@ class ApproxTree:
             count += 1
             stack.extend(node.children.values())
         return count
+
+    def text(self, width: int = 24) -> str:
+        """The tree as indented lines, children in key order: each node's text (cut to
+        ``width`` characters) and the tenants (replicas) holding it."""
+        lines: list[str] = []
+
+        def walk(node: _Node, depth: int) -> None:
+            for key in sorted(node.children):
+                child = node.children[key]
+                shown = child.text if len(child.text) <= width else child.text[:width - 3] + "..."
+                lines.append(f"{'  ' * depth}{shown!r} tenants {sorted(child.tenants)}")
+                walk(child, depth + 1)
+
+        walk(self.root, 0)
+        return "\n".join(lines)
 
     def check_integrity(self) -> None:
         """Sizes equal the held characters; every tenant of a node holds its parent; no
@@ -660,7 +677,12 @@ def make_replicas(model, tokenizer, n: int, capacity: int = 2048, **engine_kwarg
 
 @dataclass
 class RoutedRequest:
-    """One served turn: where it went, why, and what the replica computed."""
+    """One served turn: where it went, why, and what the replica computed.
+
+    ``prefill_wait``: the prefill tokens its replica computed from the moment it was
+    routed until its own prefill was done, its own included: the work its first token
+    waited for, a count that stands for TTFT (times a replica's cost per prefill token).
+    """
 
     conversation: int
     tenant: int
@@ -671,6 +693,8 @@ class RoutedRequest:
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    prefill_wait: int = 0
+    _mark: int = field(default=0, repr=False)
 
     @property
     def computed_tokens(self) -> int:
@@ -775,6 +799,7 @@ def replay_replicas(engines: Sequence, router: Router, chats: TenantChats, *,
     live: dict[str, tuple[int, RoutedRequest]] = {}  # rid -> (replica, record)
     records: list[RoutedRequest] = []
     spreads: list[int] = []
+    computed = [0] * len(engines)  # prefill tokens each replica has computed so far
     open_convs = 0
 
     def send(conv: int, turn: int) -> None:
@@ -790,7 +815,7 @@ def replay_replicas(engines: Sequence, router: Router, chats: TenantChats, *,
             router.done(replica)  # the replica refused it: it is not in flight there
             raise
         rec = RoutedRequest(conv, chats.tenant_of[conv], turn, replica,
-                            router.decisions[-1].reason)
+                            router.decisions[-1].reason, _mark=computed[replica])
         live[rid] = (replica, rec)
         records.append(rec)
 
@@ -803,6 +828,10 @@ def replay_replicas(engines: Sequence, router: Router, chats: TenantChats, *,
             if not engine.has_work:
                 continue
             out = engine.step()
+            computed[replica] += sum(len(h.lc.prompt) - h.lc.reused_len for h in out.admitted)
+            for handle in out.admitted:
+                _, rec = live[handle.rid]
+                rec.prefill_wait = computed[replica] - rec._mark
             for handle in out.finished:
                 _, rec = live.pop(handle.rid)
                 result = handle.result

@@ -4,9 +4,15 @@ A victim's request leaves its system prompt's K/V in a shared prefix cache. An a
 who can guess a few candidates sends one probe per candidate (the candidate, then a
 question of its own) and times the first token: the cached candidate's probe skips its
 prefill and answers first. ``timing_attack`` runs that experiment on an ``Engine``;
-``mann_whitney_p`` is the hypothesis test on the two TTFT samples (hits and misses),
-the kind of test Gu et al. (ICML 2025) use to audit API providers; ``chance_interval``
-says how well pure guessing does. With per-tenant cache salts, no probe ever hits.
+``mann_whitney_p`` is a hypothesis test on the two TTFT samples (hits and misses); Gu
+et al. (ICML 2025) audit API providers with another two-sample test of this kind, the
+Kolmogorov-Smirnov test; ``chance_interval`` says how well pure guessing does. With
+per-tenant cache salts, no probe ever hits. The token-by-token version of the attack
+(chapter 08's exercise) is Song et al., "The Early Bird Catches the Leak"
+(arXiv 2409.20002); PromptPeek (Wu et al., NDSS 2025) reads LPM scheduling order
+instead. The defence: vLLM's ``cache_salt`` (vllm 0.32.0
+`v1/core/kv_cache_utils.py: generate_block_hash_extra_keys`) and SGLang's, which is in
+every child key (sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixKey.child_key_at`).
 """
 
 from __future__ import annotations

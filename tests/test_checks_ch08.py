@@ -11,35 +11,41 @@ from minirt.checks import ch08
 # ---------------------------------------------------------------- Exercise 8.1
 
 
-def chain_right(tokens, bs, seed, hash_fn, salt=None):
+def mm_right(tokens, bs, seed, hash_fn, images):
     out, parent = [], seed
     for i in range(len(tokens) // bs):
-        extra = (("cache_salt", salt),) if i == 0 and salt is not None else None
-        parent = hash_fn((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        start, end = i * bs, (i + 1) * bs
+        keys = tuple(("mm", h, off - start) for off, n, h in images
+                     if off < end and off + n > start)
+        parent = hash_fn((parent, tuple(tokens[start:end]), keys or None))
         out.append(parent)
     return out
 
 
-def chain_unchained(tokens, bs, seed, hash_fn, salt=None):  # every block hashed alone
-    return [hash_fn((seed, tuple(tokens[i * bs:(i + 1) * bs]),
-                     (("cache_salt", salt),) if i == 0 and salt is not None else None))
-            for i in range(len(tokens) // bs)]
-
-
-def chain_salt_everywhere(tokens, bs, seed, hash_fn, salt=None):  # salt on every block
+def mm_ignores_images(tokens, bs, seed, hash_fn, images):  # placeholder ids alone
     out, parent = [], seed
     for i in range(len(tokens) // bs):
-        extra = (("cache_salt", salt),) if salt is not None else None
-        parent = hash_fn((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        parent = hash_fn((parent, tuple(tokens[i * bs:(i + 1) * bs]), None))
         out.append(parent)
     return out
 
 
-def chain_partial_block(tokens, bs, seed, hash_fn, salt=None):  # hashes the partial tail
+def mm_start_block_only(tokens, bs, seed, hash_fn, images):  # key only where the image starts
     out, parent = [], seed
-    for i in range(-(-len(tokens) // bs)):
-        extra = (("cache_salt", salt),) if i == 0 and salt is not None else None
-        parent = hash_fn((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+    for i in range(len(tokens) // bs):
+        start, end = i * bs, (i + 1) * bs
+        keys = tuple(("mm", h, off - start) for off, n, h in images if start <= off < end)
+        parent = hash_fn((parent, tuple(tokens[start:end]), keys or None))
+        out.append(parent)
+    return out
+
+
+def mm_absolute_offset(tokens, bs, seed, hash_fn, images):  # offset not relative to the block
+    out, parent = [], seed
+    for i in range(len(tokens) // bs):
+        start, end = i * bs, (i + 1) * bs
+        keys = tuple(("mm", h, off) for off, n, h in images if off < end and off + n > start)
+        parent = hash_fn((parent, tuple(tokens[start:end]), keys or None))
         out.append(parent)
     return out
 
@@ -51,20 +57,20 @@ def fresh_counts():
     ch08._failures.clear()
 
 
-def test_chain(capsys):
-    checks.check_chain_hashes(chain_right)
+def test_mm_chain(capsys):
+    checks.check_mm_chain_hashes(mm_right)
     assert capsys.readouterr().out.startswith("Exercise 8.1 passed")
-    for wrong in (chain_unchained, chain_salt_everywhere, chain_partial_block):
-        with pytest.raises(AssertionError, match="chain_hashes"):
-            checks.check_chain_hashes(wrong)
+    for wrong in (mm_ignores_images, mm_start_block_only, mm_absolute_offset):
+        with pytest.raises(AssertionError, match="mm_chain_hashes"):
+            checks.check_mm_chain_hashes(wrong)
 
 
 def test_hints_escalate():
     with pytest.raises(AssertionError) as first:
-        checks.check_chain_hashes(chain_unchained)
+        checks.check_mm_chain_hashes(mm_ignores_images)
     assert "Nudge" not in str(first.value) and "block_size=" in str(first.value)
     with pytest.raises(AssertionError) as second:
-        checks.check_chain_hashes(chain_unchained)
+        checks.check_mm_chain_hashes(mm_ignores_images)
     assert "Nudge" in str(second.value)
 
 

@@ -225,3 +225,17 @@ def test_tier_counts_accepts_the_reference(capsys):
 def test_tier_counts_rejects_wrong_answers(wrong):
     with pytest.raises(AssertionError, match="tier_counts"):
         checks.check_tier_counts(wrong)
+
+
+# ---------------------------------------------------------------- Exercise 9.4, the prediction
+
+
+def test_spread_guesses(capsys):
+    right = {"long prefix, few hot": 1, "short prefix, many hot": 4, "hot tenant alone": 4}
+    checks.check_spread_guesses(right)
+    assert capsys.readouterr().out.startswith("Exercise 9.4 passed")
+    for wrong in ({**right, "long prefix, few hot": 4},  # spreads a long prefix
+                  {**right, "short prefix, many hot": 1, "hot tenant alone": 1},  # never spreads
+                  {"long prefix, few hot": 1}):  # not every case
+        with pytest.raises(AssertionError):
+            checks.check_spread_guesses(wrong)

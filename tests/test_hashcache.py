@@ -266,3 +266,64 @@ def test_mann_whitney_matches_exact_permutation_test_and_chance_interval():
     assert (lo, hi) == (0.0, 0.5)  # Binomial(10, 1/4): P(X > 5) ~ 0.020, P(X >= 5) ~ 0.078
     lo, hi = chance_interval(40, 4)
     assert lo < 0.25 < hi and (lo, hi) == (0.125, 0.4)
+
+
+# ---------------------------------------------------------------- no orphans under the request life
+
+
+def orphans(present: set, chains) -> list[tuple[int, int]]:
+    """(chain, block) pairs where a block's hash is cached and its parent's is not."""
+    return [(c, i) for c, hashes in enumerate(chains) for i in range(1, len(hashes))
+            if hashes[i] in present and hashes[i - 1] not in present]
+
+
+def test_orphan_detector_sees_a_missing_parent():
+    assert orphans({"h1", "h2"}, [["h0", "h1", "h2"]]) == [(0, 1)]
+    assert orphans({"h0", "h1"}, [["h0", "h1", "h2"]]) == []
+
+
+def test_free_queue_never_orphans_a_block_under_the_request_life():
+    """Concurrent requests through the public API (match prompt[:-1], lock, evict when the
+    free list is short, insert, lock the insert, unlock the match; unlock at finish): after
+    every eviction, every cached block's parent is cached too. Chapter 08 claims this."""
+    total = sum(_orphan_fuzz_run(run) for run in range(150))
+    assert total > 300  # the runs really evicted, many times
+
+
+def _orphan_fuzz_run(run: int) -> int:
+    """One random run; returns how many evictions it made."""
+    import random
+
+    rng = random.Random(run)
+    bs = 2
+    cache = HashCache(bs, seed=b"fuzz")
+    free = list(range(24))  # 24 slots = 12 blocks
+    stems = [[rng.randrange(4) for _ in range(rng.choice([2, 4, 6]))] for _ in range(3)]
+    seen: list[list[int]] = []
+    held: list = []
+    evictions = 0
+    for _ in range(60):
+        if held and (rng.random() < 0.45 or len(held) >= 3):
+            cache.unlock(held.pop(rng.randrange(len(held))))
+            continue
+        prompt = rng.choice(stems) + [rng.randrange(4) for _ in range(rng.choice([2, 4]))]
+        m = cache.match_prefix(prompt[:-1])
+        cache.lock(m.handle)
+        need = len(prompt) - m.cached_len
+        if len(free) < need:
+            try:
+                free += cache.evict(need - len(free)).tolist()
+            except OutOfMemoryError:
+                cache.unlock(m.handle)
+                continue
+            evictions += 1
+            present = {b.block_hash for b in cache.units()}
+            assert not orphans(present, [cache.hashes(p) for p in seen]), (run, seen)
+        slots, free = free[:need], free[need:]
+        r = cache.insert_prefix(prompt, torch.cat([m.indices, torch.tensor(slots)]))
+        cache.lock(r.handle)
+        cache.unlock(m.handle)
+        held.append(r.handle)
+        seen.append(prompt)
+    cache.check_integrity()
+    return evictions

@@ -348,6 +348,25 @@ def test_replicas_serve_what_one_engine_serves(one_thread, tiny64):
     assert sum(ca.reasons.values()) == 12
     assert sum(ca.computed_per_replica) == ca.computed_tokens
     assert max(rr.computed_per_replica) <= rr.computed_tokens
+    # Each request's prefill wait covers its own computed tokens; alone on one replica,
+    # with nothing else in flight, it is exactly that.
+    for rep in (single, *reports.values()):
+        assert all(r.prefill_wait >= r.computed_tokens for r in rep.requests)
+    lone = replay_replicas(make_replicas(tiny64, tok, 1, capacity=1024),
+                           make_router("round_robin", 1), chats, concurrency=1,
+                           max_new_tokens=3)
+    assert all(r.prefill_wait == r.computed_tokens for r in lone.requests)
+    assert max(r.prefill_wait for r in single.requests) > max(r.computed_tokens
+                                                              for r in single.requests)
+
+
+def test_tree_text_lists_tenants_per_node():
+    router = CacheAwareRouter(2)
+    for text in ["shared prefix, then one", "shared prefix, then two", "other"]:
+        router.route(text)
+    text = router.tree.text()
+    assert "'shared prefix, then ' tenants [0]" in text and "'other' tenants [1]" in text
+    assert len(text.splitlines()) == router.tree.num_nodes()
 
 
 def test_tenant_chats_weights():

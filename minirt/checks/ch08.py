@@ -1,4 +1,5 @@
-"""Checkers for chapter 08: the chained hash, hits, the free queue's order, prompt extraction.
+"""Checkers for chapter 08: images in the chained hash, hits, the free queue's order,
+prompt extraction.
 
 Each checker runs the reader's function on several inputs, compares with a reference
 computed here, and names the first input that disagrees. A repeated failure of the same
@@ -13,12 +14,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..hashcache import HashCache, block_hashes, sha256_hash
+from ..hashcache import HashCache, hash_block_tokens, sha256_hash
 from ._common import as_int_list, call_reader, passed
 
 __all__ = [
-    "check_chain_hashes",
     "check_extract_prompt",
+    "check_mm_chain_hashes",
     "check_free_queue_order",
     "check_hash_hit",
 ]
@@ -26,8 +27,8 @@ __all__ = [
 _failures: Counter[str] = Counter()
 
 NUDGES = {
-    "8.1": "Nudge: block i's hash must change whenever any token *before* block i changes, "
-           "and the salt must reach every block although it is hashed into one.",
+    "8.1": "Nudge: an image belongs to the extra keys of every block it overlaps, and its "
+           "offset is counted from the start of that block.",
     "8.2": "Nudge: a lookup stops at the first block whose hash is missing, it only ever "
            "sees full blocks, and it never covers the prompt's last token.",
     "8.3": "Nudge: a block joins the queue only when its count reaches zero, and a "
@@ -49,37 +50,52 @@ def _check(exercise: str, ok: bool, message: str) -> None:
         _fail(exercise, message)
 
 
-# ---------------------------------------------------------------- 8.1 the chain
+# ---------------------------------------------------------------- 8.1 images in the chain
 
-CHAIN_CASES = [
-    # (tokens, block_size, salt)
-    (list(range(12)), 4, None),
-    (list(range(12)), 4, "tenant-a"),
-    (list(range(14)), 4, None),  # a partial last block has no hash
-    ([5, 5, 5, 5, 5, 5, 5, 5], 4, None),  # equal blocks, different positions
-    ([1, 2, 3], 4, "x"),  # no full block at all
-    (list(range(40, 72)), 16, b"org"),
+IMAGE_CASES = [
+    # (tokens, block_size, images as (offset, length, image_hash))
+    ([7] * 12, 4, []),  # no image: extra_keys is None everywhere
+    ([7] * 12, 4, [(5, 2, "cat")]),  # inside block 1 only
+    ([7] * 12, 4, [(5, 2, "dog")]),  # the same tokens, another image
+    ([7] * 16, 4, [(2, 9, "cat")]),  # spans blocks 0-2
+    ([1, 2, 3] + [7] * 13, 4, [(3, 2, "a"), (6, 1, "b")]),  # two images in block 1
+    ([7] * 14, 4, [(12, 2, "tail")]),  # only in the partial last block: no hash
+    (list(range(48)), 16, [(0, 16, "first"), (20, 16, "second")]),
 ]
 
 
-def check_chain_hashes(chain_hashes: Callable) -> None:
-    """Exercise 8.1: ``chain_hashes(tokens, block_size, seed, hash_fn, salt)`` -> hashes."""
+def _mm_reference(tokens: Sequence[int], bs: int, seed: bytes, images) -> list:
+    out, parent = [], seed
+    for i in range(len(tokens) // bs):
+        start, end = i * bs, (i + 1) * bs
+        keys = tuple(("mm", h, off - start) for off, n, h in images
+                     if off < end and off + n > start)
+        parent = hash_block_tokens(sha256_hash, parent, tokens[start:end], keys or None)
+        out.append(parent)
+    return out
+
+
+def check_mm_chain_hashes(mm_chain_hashes: Callable) -> None:
+    """Exercise 8.1: ``mm_chain_hashes(tokens, block_size, seed, hash_fn, images)`` -> hashes."""
     seed = b"checker-seed"
-    for tokens, bs, salt in CHAIN_CASES:
-        expected = block_hashes(tokens, bs, seed, sha256_hash, salt)
-        got = call_reader(f"chain_hashes({tokens}, {bs}, seed, sha256_hash, {salt!r})",
-                          chain_hashes, list(tokens), bs, seed, sha256_hash, salt)
+    for tokens, bs, images in IMAGE_CASES:
+        expected = _mm_reference(tokens, bs, seed, images)
+        got = call_reader(f"mm_chain_hashes({tokens}, {bs}, seed, sha256_hash, {images})",
+                          mm_chain_hashes, list(tokens), bs, seed, sha256_hash, list(images))
         got_list = list(got) if isinstance(got, (list, tuple)) else got
-        _check("8.1", got_list == expected,
-               f"chain_hashes(tokens={tokens}, block_size={bs}, salt={salt!r}) returned "
-               f"{len(got_list) if isinstance(got_list, list) else got_list!r} hashes that "
-               f"differ from the expected {len(expected)} (first expected "
-               f"{expected[0].hex()[:12] if expected else 'none'}): each block is "
-               "hash_fn((parent_hash, tuple(block_tokens), extra_keys)), the first parent is "
-               "the cache's random `seed`, extra_keys is (('cache_salt', salt),) on the first "
-               "block when salted and None otherwise.")
-    passed("8.1", "your chain matches minirt.hashcache.block_hashes on "
-                  f"{len(CHAIN_CASES)} prompts")
+        if got_list == expected:
+            continue
+        if not isinstance(got_list, list) or len(got_list) != len(expected):
+            n = len(got_list) if isinstance(got_list, list) else "?"
+            detail = f"a result of length {n} where {len(expected)} full blocks were expected"
+        else:
+            pairs = zip(got_list, expected, strict=True)
+            first = next(i for i, (x, y) in enumerate(pairs) if x != y)
+            detail = f"hashes that agree with the expected ones up to block {first} only"
+        _fail("8.1", f"mm_chain_hashes(tokens={tokens}, block_size={bs}, images={images}) "
+                     f"returned {detail}.")
+    passed("8.1", f"your chain with images matches vLLM's extra keys on "
+                           f"{len(IMAGE_CASES)} prompts")
 
 
 # ---------------------------------------------------------------- 8.2 predicting a hit

@@ -1,5 +1,6 @@
-"""Checkers for chapter 09: when loading back beats recomputing, the replica the router
-picks, the hits a write policy gives, and how far to spread a hot prefix.
+"""Checkers for chapter 09's exercises, which cover 09 and its part 09a: when loading back
+beats recomputing (9.1), the replica the router picks (9.2), the hits a write policy gives
+(9.3), and how far to spread a hot prefix, predicted first (9.4).
 
 Each checker runs the reader's function on inputs of its own, compares with a reference
 (computed here, or by ``minirt.router`` and ``minirt.tiers``) and names the first input
@@ -17,7 +18,7 @@ import torch
 from ._common import call_reader, checker, expect, passed, same_int
 
 __all__ = ["check_best_replication", "check_load_break_even", "check_route_trace",
-           "check_tier_counts"]
+           "check_spread_guesses", "check_tier_counts"]
 
 
 # ---------------------------------------------------------------- 9.1 load or recompute
@@ -318,3 +319,28 @@ def check_best_replication(fn: Callable) -> None:
                    f"replicas={args[5]}) returned {got!r}; expected (k, busiest, total) = "
                    f"{want}.")
     passed("9.4", f"the best spread of {len(REPLICATION_CASES)} skewed workloads")
+
+
+# The workloads of Exercise 9.4's prediction: (n_hot, prefix_len, suffix_len, n_cold,
+# cold_len, replicas), named as the exercise names them.
+SPREAD_GUESS_CASES = {
+    "long prefix, few hot": (3, 1000, 10, 30, 100, 4),
+    "short prefix, many hot": (40, 200, 50, 4, 60, 4),
+    "hot tenant alone": (12, 400, 20, 0, 0, 4),
+}
+
+
+@checker("9.4 prediction", "Ask what the busiest replica computes when the hot tenant "
+         "stays on one replica, and what each extra replica costs in prefix copies.")
+def check_spread_guesses(guesses: dict) -> None:
+    """Exercise 9.4, the prediction: ``guesses`` maps each name of ``SPREAD_GUESS_CASES`` to
+    the number of replicas (1..replicas) the hot tenant is best spread over."""
+    expect(isinstance(guesses, dict) and set(guesses) == set(SPREAD_GUESS_CASES),
+           f"guesses must be a dict with the keys {sorted(SPREAD_GUESS_CASES)}; got "
+           f"{sorted(guesses) if isinstance(guesses, dict) else guesses!r}.")
+    wrong = [name for name, args in SPREAD_GUESS_CASES.items()
+             if not same_int(guesses[name], best_replication(*args)[0])]
+    expect(not wrong, f"your guess for {wrong[0]!r} (n_hot, prefix_len, suffix_len, n_cold, "
+                      f"cold_len, replicas = {SPREAD_GUESS_CASES[wrong[0]]}) was "
+                      f"{guesses[wrong[0]]!r}; it is not the best k." if wrong else "")
+    passed("9.4", f"all {len(SPREAD_GUESS_CASES)} predictions right")

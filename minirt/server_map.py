@@ -1,0 +1,318 @@
+"""The map from minirt to SGLang 0.5.23, vLLM 0.32.0 and SGLang's router 0.3.2, as data.
+
+Each ``MapRow`` names a ``minirt`` object and, in the citation form that
+``tools/check_citations.py`` resolves against the pinned releases, the SGLang and vLLM
+files and symbols that do the same job, the flag or field that controls it, and what
+the real engine does that minirt does not. ``chapter`` is the chapter that teaches the
+minirt side; a later chapter adds its rows with ``MAP.extend([...])`` (or a tuple of
+its own passed to ``check_map`` and ``markdown_table``), so the table grows as data and
+the check covers it. ``BEYOND`` lists what the real engines do that minirt does not.
+
+``check_map`` is the chapter's integrity check: every minirt name resolves, every
+module a chapter introduced (``minirt.book.CHAPTER_MODULES``, notebook helpers aside)
+has a row, and every row's SGLang and vLLM cells carry a citation or say "none".
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .book import CHAPTER_MODULES
+
+__all__ = ["BEYOND", "HELPERS", "MAP", "MapRow", "check_map", "markdown_table", "resolve"]
+
+# Modules that serve the notebooks, not a server: no row of their own.
+HELPERS = frozenset({"book", "viz", "widgets", "checks", "errors", "simulate", "server_map"})
+
+_CITED = re.compile(r"(sglang-router|sglang|vllm) \d+\.\d+\.\d+ `[^`]+`")
+
+
+@dataclass(frozen=True)
+class MapRow:
+    """One minirt name beside its counterparts (each a citation, or "none ...")."""
+
+    minirt: str  # "module.Name[.attr]", resolved inside minirt
+    sglang: str
+    vllm: str
+    flag: str
+    adds: str  # what the real engine adds, "-" if nothing to say
+    chapter: int
+
+
+def _rows(chapter: int, *rows: tuple[str, str, str, str, str]) -> list[MapRow]:
+    return [MapRow(*r, chapter=chapter) for r in rows]
+
+
+MAP: list[MapRow] = [
+    *_rows(
+        0,
+        ("model.load_model", "sglang 0.5.23 `srt/model_loader/loader.py: DefaultModelLoader`",
+         "vllm 0.32.0 `model_executor/model_loader/default_loader.py: DefaultModelLoader`",
+         "--model-path / --model", "tensor and pipeline parallelism, quantized weights"),
+    ),
+    *_rows(
+        1,
+        ("kv.prefill", "sglang 0.5.23 `srt/model_executor/model_runner.py: ModelRunner.forward` "
+         "(an extend batch)",
+         "vllm 0.32.0 `v1/worker/gpu_model_runner.py: GPUModelRunner.execute_model`", "-",
+         "prefill and decode requests in one batch, one forward pass"),
+    ),
+    *_rows(
+        2,
+        ("workloads.standard_workloads",
+         "sglang 0.5.23 `benchmark/datasets/generated_shared_prefix.py`",
+         "vllm 0.32.0 `benchmarks/datasets/datasets.py` (vllm bench serve --dataset-name)",
+         "--dataset-name (both)", "-"),
+        ("radix.RadixNode",
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: TreeNode, RadixKey` (lock_ref, "
+         "last_access_time, hit_count)",
+         "no tree: vllm 0.32.0 `v1/core/kv_cache_utils.py: KVCacheBlock` (block_hash, ref_cnt)",
+         "-", "SGLang keys a child by RadixKey.child_key_at (first token or first page)"),
+        ("radix.RadixNode.split_at",
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache._split_node`",
+         "none: blocks have a fixed size and never split", "--page-size", "-"),
+    ),
+    *_rows(
+        3,
+        ("radix.page_key", "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixKey.child_key_at`",
+         "vllm 0.32.0 `v1/core/kv_cache_utils.py: hash_block_tokens` (one hash per full block)",
+         "--page-size / --block-size", "-"),
+        ("cache.RadixCache.match_prefix",
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.match_prefix, RadixKey.match_at`",
+         "vllm 0.32.0 `v1/core/kv_cache_manager.py: KVCacheManager.get_computed_blocks`; "
+         "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.get_cached_block`",
+         "--disable-radix-cache / --no-enable-prefix-caching", "-"),
+        ("cache.RadixCache.insert_prefix",
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.insert, RadixCache.checkpoint`",
+         "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.cache_full_blocks` (from "
+         "KVCacheManager.cache_blocks)",
+         "-", "SGLang also caches unfinished requests' K/V between chunks (checkpoint)"),
+    ),
+    *_rows(
+        4,
+        ("cache.RadixCache.lock",
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.inc_lock_ref`",
+         "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.touch` (ref_cnt += 1)", "-", "-"),
+        ("cache.RadixCache.unlock",
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.dec_lock_ref`",
+         "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.free_blocks` (tail first into the free "
+         "queue)",
+         "-", "-"),
+        ("pool.KVPool",
+         "sglang 0.5.23 `srt/mem_cache/memory_pool.py: MHATokenToKVPool`; "
+         "sglang 0.5.23 `srt/mem_cache/allocator/paged.py: PagedTokenToKVPoolAllocator`",
+         "vllm 0.32.0 `v1/core/block_pool.py: BlockPool` (free_block_queue); the GPU tensors in "
+         "v1/worker/gpu_model_runner.py",
+         "--mem-fraction-static, --max-total-tokens / --gpu-memory-utilization",
+         "pool sized from free GPU memory after the weights; fp8 K/V (--kv-cache-dtype)"),
+        ("pool.PageTable", "sglang 0.5.23 `srt/mem_cache/memory_pool.py: ReqToTokenPool`",
+         "vllm 0.32.0 `v1/worker/block_table.py: BlockTable`", "-", "-"),
+        ("pool.forward_paged",
+         "sglang 0.5.23 `srt/layers/attention/flashinfer_backend.py` and the other backends there",
+         "vllm 0.32.0 `v1/attention/backends/cpu_attn.py` and the other backends there",
+         "--attention-backend (both)",
+         "paged attention kernels read K/V in place; minirt gathers it into a dense tensor"),
+        ("lifecycle.Lifecycle",
+         "sglang 0.5.23 `srt/managers/schedule_batch.py: ScheduleBatch.prepare_for_extend`; "
+         "sglang 0.5.23 `srt/mem_cache/allocation.py: alloc_for_extend`; "
+         "sglang 0.5.23 `srt/mem_cache/common.py: release_kv_cache`",
+         "vllm 0.32.0 `v1/core/kv_cache_manager.py: KVCacheManager.allocate_slots, KVCacheManager.free`",  # noqa: E501
+         "-", "requests are retracted (preempted) when decode runs out of K/V slots"),
+        ("cache.PrefixCache", "sglang 0.5.23 `srt/mem_cache/base_prefix_cache.py: BasePrefixCache`",
+         "vllm 0.32.0 `v1/core/kv_cache_coordinator.py: KVCacheCoordinator`; "
+         "vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: SingleTypeKVCacheManager`",
+         "--radix-cache-backend",
+         "caches for sliding-window and Mamba layers (hybrid models) behind one interface"),
+    ),
+    *_rows(
+        5,
+        ("cache.RadixCache.evict", "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.evict`",
+         "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.get_new_blocks, "
+         "BlockPool._maybe_evict_cached_block`",
+         "--radix-eviction-policy", "-"),
+        ("eviction.LRU", "sglang 0.5.23 `srt/mem_cache/evict_policy.py: LRUStrategy`",
+         "vllm 0.32.0 `v1/core/kv_cache_utils.py: FreeKVCacheBlockQueue` (its only order)",
+         "--radix-eviction-policy lru", "-"),
+        ("eviction.LFU", "sglang 0.5.23 `srt/mem_cache/evict_policy.py: LFUStrategy`", "none",
+         "--radix-eviction-policy lfu", "also slru and tlru (tail-optimized LRU)"),
+        ("eviction.FIFO", "sglang 0.5.23 `srt/mem_cache/evict_policy.py: FIFOStrategy` (not a "
+         "--radix-eviction-policy choice)", "none", "-", "-"),
+        ("eviction.Priority",
+         "sglang 0.5.23 `srt/mem_cache/evict_policy.py: PriorityStrategy`", "none",
+         "--radix-eviction-policy priority", "-"),
+        ("eviction.LeafHeap",
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.evict` (heapq over evictable "
+         "leaves)",
+         "vllm 0.32.0 `v1/core/kv_cache_utils.py: FreeKVCacheBlockQueue` (doubly linked list, "
+         "O(1))",
+         "-", "-"),
+    ),
+    *_rows(
+        6,
+        ("engine.Engine.step",
+         "sglang 0.5.23 `srt/managers/scheduler.py: Scheduler.event_loop_normal, "
+         "Scheduler.event_loop_overlap, Scheduler.get_next_batch_to_run`",
+         "vllm 0.32.0 `v1/core/sched/scheduler.py: Scheduler.schedule, Scheduler.update_from_output`; "  # noqa: E501
+         "vllm 0.32.0 `v1/engine/core.py: EngineCore.step`",
+         "--disable-overlap-schedule / --async-scheduling",
+         "overlap scheduling: the CPU schedules step n+1 while the GPU runs step n"),
+        ("engine.Engine.generate",
+         "sglang 0.5.23 `srt/managers/schedule_policy.py: PrefillAdder` (token budget per "
+         "prefill batch)",
+         "vllm 0.32.0 `v1/core/sched/scheduler.py: Scheduler.schedule` (token budget)",
+         "--max-prefill-tokens, --chunked-prefill-size / --max-num-batched-tokens",
+         "chunked prefill: a long prompt is split over several steps beside decodes"),
+        ("serve.build_app", "sglang 0.5.23 `srt/entrypoints/http_server.py` (/generate, "
+         "/v1/chat/completions)",
+         "vllm 0.32.0 `entrypoints/openai/api_server.py`", "--host, --port (both)",
+         "tokenizer and detokenizer in their own processes; streaming"),
+        ("replay.replay", "sglang 0.5.23 `benchmark/serving.py` (python -m "
+         "sglang.benchmark.serving)",
+         "vllm 0.32.0 `benchmarks/serve.py` (vllm bench serve)", "--request-rate (both)", "-"),
+    ),
+    *_rows(
+        7,
+        ("scheduler.Scheduler.order",
+         "sglang 0.5.23 `srt/managers/schedule_policy.py: SchedulePolicy.calc_priority, "
+         "SchedulePolicy._sort_by_longest_prefix, SchedulePolicy._sort_by_dfs_weight`",
+         "vllm 0.32.0 `v1/core/sched/request_queue.py: FCFSRequestQueue, PriorityRequestQueue`",
+         "--schedule-policy / --scheduling-policy",
+         "SGLang: fcfs (default), lpm, dfs-weight, lof, random, priority, routing-key, hrrn, "
+         "shortest-prefill-first; vLLM: fcfs, priority (no prefix-aware order)"),
+        ("scheduler.Scheduler.defers",
+         "sglang 0.5.23 `srt/managers/schedule_policy.py: IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD, "
+         "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD, SchedulePolicy._compute_prefix_matches`",
+         "none", "environment variables of the same names (SGLang)", "-"),
+    ),
+    *_rows(
+        8,
+        ("hashcache.HashCache",
+         "sglang 0.5.23 `srt/mem_cache/utils.py: get_hash_str, compute_node_hash_values` (chained "
+         "page hashes name pages in the storage tier and in KV events)",
+         "vllm 0.32.0 `v1/core/block_pool.py: BlockPool`; "
+         "vllm 0.32.0 `v1/core/kv_cache_utils.py: hash_block_tokens, resolve_none_hash_seed`",
+         "--block-size, --prefix-caching-hash-algo (sha256, sha256_cbor, xxhash, xxhash_cbor)",
+         "-"),
+        ("cache.SaltedKey",
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixKey.child_key_at` ((extra_key, "
+         "cache_salt) in every child key, as minirt)",
+         "vllm 0.32.0 `v1/core/kv_cache_utils.py: generate_block_hash_extra_keys` (salt in the "
+         "first block's extra keys; the chain carries it)",
+         "request field cache_salt (both); SGLang also extra_key", "-"),
+        ("sidechannel.timing_attack",
+         "none (defence: sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixKey.child_key_at`)",
+         "none (defence: vllm 0.32.0 `v1/core/kv_cache_utils.py: generate_block_hash_extra_keys`)",
+         "-", "-"),
+    ),
+    *_rows(
+        9,
+        ("tiers.HiRadixCache.load_back",
+         "sglang 0.5.23 `srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.load_back, "
+         "UnifiedRadixCache.init_load_back`; "
+         "sglang 0.5.23 `srt/managers/cache_controller.py: HiCacheController.load`",
+         "vllm 0.32.0 `distributed/kv_transfer/kv_connector/v1/offloading_connector.py`; "
+         "vllm 0.32.0 `v1/kv_offload/cpu/manager.py: CPUOffloadingManager.prepare_load`",
+         "--enable-hierarchical-cache, --hicache-ratio, --hicache-size / --kv-offloading-size, "
+         "--kv-offloading-backend (native, lmcache)",
+         "copies on a side stream, layer by layer, overlapped with the forward pass; pinned "
+         "host memory; a third tier in storage (--hicache-storage-backend)"),
+        ("tiers.HiRadixCache.insert_prefix",
+         "sglang 0.5.23 `srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.evict` "
+         "(write_back); "
+         "sglang 0.5.23 `srt/managers/cache_controller.py: HiCacheController.write`",
+         "vllm 0.32.0 `v1/kv_offload/cpu/manager.py: CPUOffloadingManager.prepare_store` (each "
+         "computed block, unless store_threshold asks for repeats)",
+         "--hicache-write-policy (write_back, write_through, write_through_selective)", "-"),
+        ("tiers.HiRadixCache.evict_host",
+         "sglang 0.5.23 `srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.evict_host`; "
+         "sglang 0.5.23 `srt/mem_cache/pool_host/base.py: HostKVCache`",
+         "vllm 0.32.0 `v1/kv_offload/cpu/policies/lru.py` and arc.py there", "-", "-"),
+        ("router.CacheAwareRouter",
+         "sglang-router 0.3.2 `src/policies/cache_aware.rs: CacheAwarePolicy`",
+         "none in vLLM itself; "
+         "vllm 0.32.0 `v1/engine/core_client.py: DPLBAsyncMPClient.get_core_engine_for_request` "
+         "balances data-parallel engines by load",
+         "--policy cache_aware, --cache-threshold, --balance-abs-threshold, "
+         "--balance-rel-threshold, --max-tree-size (the router)",
+         "routers fed by the engines' KV events (--kv-events-config, both) know what "
+         "each replica really holds"),
+        ("router.ApproxTree", "sglang-router 0.3.2 `src/policies/tree.rs: Tree` (one per model, "
+         "nodes annotated with tenants)", "none",
+         "--max-tree-size, --eviction-interval-secs (60)",
+         "the real tree is concurrent and is cut back on a timer"),
+        ("router.RoundRobinRouter",
+         "sglang-router 0.3.2 `src/policies/round_robin.rs: RoundRobinPolicy`",
+         "none", "--policy round_robin", "-"),
+        ("router.RandomRouter",
+         "sglang-router 0.3.2 `src/policies/random.rs: RandomPolicy`", "none",
+         "--policy random", "also power_of_two: the less loaded of two random replicas"),
+        ("router.LeastLoadRouter", "none: not a --policy choice in the router 0.3.2",
+         "vllm 0.32.0 `v1/engine/core_client.py: DPLBAsyncMPClient` (data-parallel engines)",
+         "-", "-"),
+        ("router.ConsistentHashRouter",
+         "sglang-router 0.3.2 `src/policies/consistent_hashing.rs` (not a --policy choice in "
+         "0.3.2; "
+         "manual pins a routing key to a worker)", "none", "-",
+         "prefix_hash: a hash of the first tokens instead of a session id"),
+    ),
+]
+
+# What the real engines do that minirt does not: (feature, SGLang flag, vLLM flag).
+BEYOND: list[tuple[str, str, str]] = [
+    ("chunked prefill", "--chunked-prefill-size", "--enable-chunked-prefill, "
+     "--max-num-batched-tokens"),
+    ("overlap scheduling", "--disable-overlap-schedule", "--async-scheduling"),
+    ("CUDA graphs for decode", "--cuda-graph-max-bs-decode, --disable-decode-cuda-graph",
+     "--enforce-eager, compilation_config.cudagraph_mode"),
+    ("paged attention kernels", "--attention-backend", "--attention-backend"),
+    ("KV events to a router", "--kv-events-config", "--kv-events-config (BlockStored, "
+     "BlockRemoved)"),
+    ("prefill/decode disaggregation", "--disaggregation-mode prefill|decode, "
+     "--disaggregation-transfer-backend", "--kv-transfer-config (e.g. NixlConnector)"),
+]
+
+
+def resolve(name: str):
+    """``"cache.RadixCache.match_prefix"`` -> the object it names in minirt (AttributeError
+    or ImportError if minirt has no such name)."""
+    module, *attrs = name.split(".")
+    obj = importlib.import_module(f"minirt.{module}")
+    for attr in attrs:
+        obj = getattr(obj, attr)
+    return obj
+
+
+def check_map(rows: Sequence[MapRow] = MAP, upto: int | None = None) -> set[str]:
+    """Check ``rows``; return the modules they cover.
+
+    Every minirt name resolves; every cell is a non-empty string; the SGLang and vLLM
+    cells each hold a citation or begin with "none"/"no tree"; every module introduced
+    by chapters up to ``upto`` (all of ``CHAPTER_MODULES`` if None), helpers aside, has a
+    row. AssertionError naming the first row or module that fails.
+    """
+    for row in rows:
+        cells = (row.minirt, row.sglang, row.vllm, row.flag, row.adds)
+        assert all(isinstance(x, str) and x for x in cells), row
+        resolve(row.minirt)
+        for cell in (row.sglang, row.vllm):
+            assert _CITED.search(cell) or cell.startswith(("none", "no tree")), (
+                f"{row.minirt}: {cell!r} is neither a citation nor 'none'")
+    introduced = {m for ch, mods in CHAPTER_MODULES.items()
+                  if upto is None or ch <= upto for m in mods}
+    covered = {row.minirt.split(".")[0] for row in rows}
+    missing = sorted(introduced - HELPERS - covered)
+    assert not missing, f"modules without a row: {missing}"
+    return covered
+
+
+def markdown_table(rows: Iterable[MapRow] = MAP) -> str:
+    """The rows as one Markdown table (``|`` inside a cell escaped)."""
+    head = ["minirt", "SGLang", "vLLM", "flag", "what the real engine adds"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"`{r.minirt}`", r.sglang, r.vllm, r.flag, r.adds]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
