@@ -81,10 +81,13 @@ def check_tier_settings(device_capacity: int, host_capacity: int, page_size: int
     """Raise TierError (a ValueError) naming the first host-tier setting that cannot work.
 
     The host pool must hold at least as many tokens as the device pool, in whole pages: a
-    host tier smaller than the device could not even mirror it. (SGLang asserts its host
-    pool is larger than the device pool, ``memory_pool_host.py``, and its docs give
-    ``--hicache-ratio`` a minimum of 2.) ``write_through_threshold``: the prefix hits after
-    which ``write_through_selective`` copies a node. SGLang counts the inserting request
+    host tier smaller than the device could not even mirror it. (SGLang only warns when its
+    host pool is not larger than the device pool, sglang 0.5.23
+    `srt/mem_cache/pool_host/base.py: HostKVCache._allocate_host_buffer`, and defaults
+    ``--hicache-ratio`` to 2.0 (1.2 in its buffer-only host mode), sglang 0.5.23
+    `srt/arg_groups/hicache_hook.py: handle_hicache_ratio_default`; minirt refuses.)
+    ``write_through_threshold``: the prefix hits after which ``write_through_selective``
+    copies a node. SGLang counts the inserting request
     as a node's first hit and copies at 2, i.e. at its first reuse: minirt counts
     ``match_prefix`` hits only, so its 1 is that same first reuse.
     """

@@ -91,6 +91,16 @@ def test_a_planted_wrong_citation_fails(cache, text, status):
     assert _statuses(text, cache) == [status]
 
 
+def test_a_citation_split_over_adjacent_python_strings_is_one(cache, tmp_path, capsys):
+    module = tmp_path / "rows.py"
+    module.write_text('ROW = ("sglang 0.5.23 `srt/managers/schedule_policy.py: "\n'
+                      '       "CacheAwarePolicy, SchedulePolicy._compute_prefix_matches`")\n')
+    assert cc.main([str(module), "--cache", str(cache)]) == 0
+    module.write_text(module.read_text().replace("_compute_prefix_matches", "_calc_weight"))
+    assert cc.main([str(module), "--cache", str(cache)]) == 1
+    assert "SchedulePolicy._calc_weight" in capsys.readouterr().out
+
+
 def test_the_command_fails_on_a_notebook_with_a_wrong_name(cache, tmp_path, capsys):
     nb = {"cells": [{"id": "c1", "cell_type": "markdown", "metadata": {}, "source": [
         "sglang 0.5.23 `srt/managers/schedule_policy.py: SchedulePolicy._compute_prefix_matches`"

@@ -68,6 +68,7 @@ CODE_SPAN = re.compile(_SPAN)
 SOURCE_PATH = re.compile(r"[\w./-]*\w\.(?:py|rs)\b")
 # Paths that are not SGLang's, vLLM's or the router's, and need no pin.
 OTHER_PROJECTS = ("src/transformers/", "transformers/", "python/minisgl/", "minisgl/")
+_JOINED_LITERALS = re.compile(r"([\"'])\s*\n\s*\1(?=\S)")  # "...a, "\n    "b..." -> "...a, b..."
 TEXT_SOURCES = ("chapters", "solutions", "README.md", "minirt")
 
 
@@ -101,8 +102,10 @@ def _texts(paths: Iterable[Path]) -> Iterator[tuple[str, str]]:
                 for i, cell in enumerate(cells):
                     src = "".join(cell["source"])
                     yield f"{rel} cell {cell.get('id', i)}", src
-            elif f.suffix in (".md", ".py"):
+            elif f.suffix == ".md":
                 yield str(rel), f.read_text(encoding="utf-8")
+            elif f.suffix == ".py":  # a citation split over adjacent string literals is one
+                yield str(rel), _JOINED_LITERALS.sub("", f.read_text(encoding="utf-8"))
 
 
 def _local_names() -> set[str]:
