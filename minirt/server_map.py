@@ -110,7 +110,7 @@ MAP: list[MapRow] = [
          "pool sized from free GPU memory after the weights; fp8 K/V (--kv-cache-dtype)"),
         ("pool.PageTable", "sglang 0.5.23 `srt/mem_cache/memory_pool.py: ReqToTokenPool`",
          "vllm 0.32.0 `v1/worker/block_table.py: BlockTable`", "-", "-"),
-        ("pool.forward_paged",
+        ("forward.forward_paged",
          "sglang 0.5.23 `srt/layers/attention/flashinfer_backend.py` and the other backends there",
          "vllm 0.32.0 `v1/attention/backends/cpu_attn.py` and the other backends there",
          "--attention-backend (both)",
@@ -257,6 +257,43 @@ MAP: list[MapRow] = [
          "0.3.2; "
          "manual pins a routing key to a worker)", "none", "-",
          "prefix_hash: a hash of the first tokens instead of a session id"),
+    ),
+    *_rows(
+        6,
+        ("forward.aligned_attention",
+         "sglang 0.5.23 `srt/batch_invariant_ops/batch_invariant_ops.py: "
+         "enable_batch_invariant_mode`; a fixed split tile in sglang 0.5.23 "
+         "`srt/layers/attention/triton_backend.py: TritonAttnBackend.__init__`",
+         "vllm 0.32.0 `model_executor/determinism/batch_invariant.py: "
+         "enable_batch_invariant_mode, init_batch_invariance`",
+         "--enable-deterministic-inference (sglang 0.5.23 `srt/arg_groups/fields/exec_.py: "
+         "ExecDeterministic.enable_deterministic_inference`) / VLLM_BATCH_INVARIANT=1",
+         "batch-invariant GPU kernels (matmul, attention, reductions); minirt's deterministic "
+         "mode is position-aligned chunks and padded GEMM rows on the CPU"),
+    ),
+    *_rows(
+        11,
+        ("hybrid.WindowRadixCache",
+         "sglang 0.5.23 `srt/mem_cache/unified_cache/components/swa.py: SWAComponent, "
+         "SWAComponent.create_match_validator, SWAComponent.evict_component`",
+         "vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: SlidingWindowManager, "
+         "SlidingWindowManager.find_longest_cache_hit`; vllm 0.32.0 "
+         "`v1/core/kv_cache_coordinator.py: HybridKVCacheCoordinator`",
+         "-", "one component (SGLang) or one manager per KV cache group (vLLM) per layer kind; "
+         "page-sized window blocks; an every-layer-sliding cache, sglang 0.5.23 "
+         "`srt/mem_cache/pure_swa_radix_cache.py: PureSWARadixCache`"),
+        ("hybrid.WindowRunner",
+         "sglang 0.5.23 `srt/mem_cache/common.py: free_swa_out_of_window_slots`",
+         "vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: "
+         "SingleTypeKVCacheManager.remove_skipped_blocks`",
+         "-", "window K/V freed as they leave the window while a request runs"),
+        ("state.StateCache",
+         "sglang 0.5.23 `srt/mem_cache/unified_cache/components/mamba.py: MambaComponent, "
+         "MambaComponent.create_match_validator`",
+         "vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: MambaManager, "
+         "MambaManager.find_longest_cache_hit`",
+         "mamba cache mode (vllm 0.32.0 `config/cache.py: CacheConfig.mamba_cache_mode`)",
+         "real state-space layers; vLLM's sub-block hits for Mamba hybrids"),
     ),
 ]
 
