@@ -41,8 +41,14 @@ model: env
 	$(BIN)/python -m minirt.model fetch
 
 # Trusted notebooks show their stored SVG trees, plots and widget pictures before any cell runs.
+# tools/lab is JupyterLab's configuration folder here: its custom CSS draws an unrun widget
+# as the picture the notebook saved, with a one-line note, instead of dead controls. Your
+# own JupyterLab settings (theme, shortcuts) and workspaces stay where they are.
 lab: model
 	$(BIN)/jupyter trust $(BOOK_NOTEBOOKS)
+	JUPYTER_CONFIG_DIR=tools/lab \
+	JUPYTERLAB_SETTINGS_DIR=$${JUPYTERLAB_SETTINGS_DIR:-$${HOME}/.jupyter/lab/user-settings} \
+	JUPYTERLAB_WORKSPACES_DIR=$${JUPYTERLAB_WORKSPACES_DIR:-$${HOME}/.jupyter/lab/workspaces} \
 	$(BIN)/jupyter lab chapters/
 
 book: model

@@ -30,6 +30,7 @@ EXPLORER = ROOT / "chapters" / "03_match_and_insert.ipynb"
 STEPPER = ROOT / "chapters" / "04_lifecycle.ipynb"
 STATIC = ROOT / "chapters" / "02_radix_tree.ipynb"
 JUPYTER = Path(sys.executable).parent / "jupyter"
+LAB_CONFIG = ROOT / "tools" / "lab"  # what `make lab` sets as JUPYTER_CONFIG_DIR
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 RUN_TIMEOUT_S = 600  # a chapter runs in ~90 s alone; CI machines are shared
 CLICK_TIMEOUT_S = 120  # a button's handler answers in well under a second when it works
@@ -53,6 +54,8 @@ def lab(tmp_path_factory, port_finder):
     control = nbformat.read(STATIC, as_version=4)
     control.cells[0].source += "\n\n(An untrusted copy.)"
     nbformat.write(control, book / "untrusted.ipynb")
+    # `make lab`'s configuration folder (custom CSS on), copied so that nothing writes there.
+    shutil.copytree(LAB_CONFIG, work / "config")
     settings = work / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     # No news or update check: that pop-up would cover the page.
@@ -287,6 +290,35 @@ def test_static_view_shows_stored_pictures_once_trusted(tab, lab, shots):
     page.screenshot(path=str(shots / "lab_static_untrusted.png"))
     untrusted = sum(_pictures_while_scrolling(page).values())
     assert untrusted < stored, f"untrusted copy shows all {stored} pictures: control is void"
+
+
+def test_unrun_widget_shows_its_stored_picture_and_a_note(tab, lab, shots):
+    """Before its cell runs, the stepper is drawn from the notebook's saved widget state:
+    the stored tree shows, with one line saying so, and no dead button or broken-link icon."""
+    _, _, book = lab
+    copy = book / f"unrun_{STEPPER.name}"  # a copy no kernel has touched
+    shutil.copy(STEPPER, copy)
+    page = _open_notebook(tab, lab, copy.name)
+    index = _cell_index(STEPPER, "lifecycle_stepper(frames)")
+    box = _cell(page, index).locator(".widget-vbox").first
+    box.locator(".widget-html svg").last.wait_for()
+    box.scroll_into_view_if_needed()
+    box.screenshot(path=str(shots / "lab_stepper_unrun.png"))
+    seen = box.evaluate("""b => {
+        const before = e => getComputedStyle(e, '::before').content;
+        const views = [b, ...b.querySelectorAll('.jupyter-widgets-disconnected')];
+        return {disconnected: b.classList.contains('jupyter-widgets-disconnected'),
+                note: before(b),
+                icons: views.slice(1).filter(e => before(e) !== 'none').length,
+                buttons: [...b.querySelectorAll('button')].filter(
+                  e => e.getClientRects().length > 0).length,
+                pictures: [...b.querySelectorAll('.widget-html svg')].filter(
+                  e => e.getClientRects().length > 0).length}; }""")
+    assert seen["disconnected"], "the unrun stepper is live: the check has nothing to look at"
+    assert "Run this cell" in seen["note"], seen
+    assert seen["icons"] == 0 and seen["buttons"] == 0, seen
+    assert seen["pictures"] >= 1, seen
+    assert not [e for e in tab.errors if "favicon" not in e], tab.errors
 
 
 def test_open_and_save_changes_nothing(tab, lab):
