@@ -292,31 +292,33 @@ def test_static_view_shows_stored_pictures_once_trusted(tab, lab, shots):
     assert untrusted < stored, f"untrusted copy shows all {stored} pictures: control is void"
 
 
-def test_unrun_widget_shows_its_stored_picture_and_a_note(tab, lab, shots):
-    """Before its cell runs, the stepper is drawn from the notebook's saved widget state:
-    the stored tree shows, with one line saying so, and no dead button or broken-link icon."""
+@pytest.mark.parametrize(("source", "needle"), [(STEPPER, "lifecycle_stepper(frames)"),
+                                                 (EXPLORER, "explorer_widget(")],
+                         ids=["stepper", "explorer"])
+def test_unrun_widget_shows_its_stored_picture_and_a_note(tab, lab, shots, source, needle):
+    """Before its cell runs, a widget is drawn from the notebook's saved widget state: the
+    stored tree shows, with one line saying so, and no dead control or broken-link icon."""
     _, _, book = lab
-    copy = book / f"unrun_{STEPPER.name}"  # a copy no kernel has touched
-    shutil.copy(STEPPER, copy)
+    copy = book / f"unrun_{source.name}"  # a copy no kernel has touched
+    shutil.copy(source, copy)
     page = _open_notebook(tab, lab, copy.name)
-    index = _cell_index(STEPPER, "lifecycle_stepper(frames)")
-    box = _cell(page, index).locator(".widget-vbox").first
+    box = _cell(page, _cell_index(source, needle)).locator(".widget-vbox").first
     box.locator(".widget-html svg").last.wait_for()
     box.scroll_into_view_if_needed()
-    box.screenshot(path=str(shots / "lab_stepper_unrun.png"))
+    box.screenshot(path=str(shots / f"lab_unrun_{source.stem}.png"))
     seen = box.evaluate("""b => {
         const before = e => getComputedStyle(e, '::before').content;
         const views = [b, ...b.querySelectorAll('.jupyter-widgets-disconnected')];
         return {disconnected: b.classList.contains('jupyter-widgets-disconnected'),
                 note: before(b),
                 icons: views.slice(1).filter(e => before(e) !== 'none').length,
-                buttons: [...b.querySelectorAll('button')].filter(
+                controls: [...b.querySelectorAll('button, input')].filter(
                   e => e.getClientRects().length > 0).length,
                 pictures: [...b.querySelectorAll('.widget-html svg')].filter(
                   e => e.getClientRects().length > 0).length}; }""")
-    assert seen["disconnected"], "the unrun stepper is live: the check has nothing to look at"
+    assert seen["disconnected"], "the unrun widget is live: the check has nothing to look at"
     assert "Run this cell" in seen["note"], seen
-    assert seen["icons"] == 0 and seen["buttons"] == 0, seen
+    assert seen["icons"] == 0 and seen["controls"] == 0, seen
     assert seen["pictures"] >= 1, seen
     assert not [e for e in tab.errors if "favicon" not in e], tab.errors
 
