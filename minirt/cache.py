@@ -420,6 +420,14 @@ class RadixCache:
     def peek_prefix_len(self, ids: IdsLike | TokenIds, *, salt: Salt = None) -> int:
         """The length ``match_prefix`` would return, read only: no split, no access time, no
         statistics (what a scheduler peeks at for every waiting prompt)."""
+        return self.peek_position(ids, salt=salt)[2]
+
+    def peek_position(self, ids: IdsLike | TokenIds, *,
+                      salt: Salt = None) -> tuple[RadixNode, int, int]:
+        """Where ``match_prefix`` would stop, read only: ``(node, depth, length)``, the node the
+        match ends at or inside, how many tokens of its edge it covers (all of them when it
+        ends at the node), and the matched length. Where this ends inside an edge,
+        ``match_prefix`` would split the node."""
         ids, salt = as_token_view(ids), check_salt(salt)
         key_fn = self.key_fn if salt is None else SaltedKey(self.key_fn, salt)
         node, pos, n = self.root, 0, len(ids)
@@ -427,12 +435,12 @@ class RadixCache:
             child = node.children.get(key_fn(ids, pos))
             if child is None:
                 break
-            m = child.get_match_len(ids, pos)
+            m = child.get_match_len(ids, pos)  # >= one page: the first page is the key
             pos += m
             if m < child.length:
-                break
+                return child, m, pos
             node = child
-        return pos
+        return node, node.length, pos
 
     def _descend(self, ids: Tokens, salt: Salt = None) -> tuple[RadixNode, int, list[Tokens]]:
         """Follow ``ids`` down from the root page by page; split where the match stops mid-node.

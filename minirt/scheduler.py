@@ -62,7 +62,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .cache import PrefixCache, RadixCache, SaltedKey, as_ids, as_token_view, check_salt
+from .cache import PrefixCache, RadixCache, as_ids
 from .errors import ScheduleError
 from .radix import RadixNode
 from .workloads import unique_prefix_count
@@ -154,27 +154,6 @@ def dfs_weight_order(prompts: Sequence[Any], cached: Sequence[int] | None = None
     return out
 
 
-def _cached_position(cache: RadixCache, ids: Any, salt: Any = None) -> tuple[RadixNode, int]:
-    """Where ``ids``' cached prefix ends in the tree: a node and how far into its edge.
-
-    The same walk as ``RadixCache.peek_prefix_len`` (read only). SGLang's match splits
-    the node there, so its request sits at a node of its own; here it sits on the edge.
-    """
-    ids, salt = as_token_view(ids), check_salt(salt)
-    key_fn = cache.key_fn if salt is None else SaltedKey(cache.key_fn, salt)
-    node, pos, n = cache.root, 0, len(ids)
-    while n - pos >= cache.page_size:
-        child = node.children.get(key_fn(ids, pos))
-        if child is None:
-            break
-        m = child.get_match_len(ids, pos)
-        pos += m
-        if m < child.length:
-            return (child, m) if m else (node, node.length)
-        node = child
-    return node, node.length
-
-
 def cache_dfs_weight_order(cache: RadixCache, prompts: Sequence[Any],
                            salts: Sequence[Any] | None = None) -> list[int]:
     """Indices of ``prompts`` (in queue order) in SGLang's dfs-weight order.
@@ -197,7 +176,8 @@ def cache_dfs_weight_order(cache: RadixCache, prompts: Sequence[Any],
     at: dict[int, list[tuple[int, int]]] = {}   # id(node) -> [(-depth on its edge, index)]
     weight: dict[int, int] = {}
     for i, p in enumerate(prompts):
-        node, depth = _cached_position(cache, list(_tokens(p)[:-1]), salts[i])
+        # Where SGLang's match would split the node, the request sits on its edge here.
+        node, depth, _ = cache.peek_position(list(_tokens(p)[:-1]), salt=salts[i])
         at.setdefault(id(node), []).append((-depth, i))
         while node is not None:
             weight[id(node)] = weight.get(id(node), 0) + 1

@@ -178,6 +178,20 @@ class CacheMachine(RuleBasedStateMachine):
         assert result.indices.tolist() == expected_idx
         self.remember(result.handle, ids)
 
+    @rule(ids=tokens, form=id_forms)
+    def peek(self, ids, form):
+        """The read-only walk: the model's match length, the tree and counters untouched,
+        and its node's path plus the depth on its edge is the matched prefix."""
+        before = snapshot(self.cache)
+        node, depth, length = self.cache.peek_position(form(ids))
+        assert self.cache.peek_prefix_len(form(ids)) == length == self.expected_match(ids)[0]
+        assert snapshot(self.cache) == before
+        assert 0 < depth <= node.length or node is self.cache.root  # the root's length is 0
+        above, up = 0, node.parent
+        while up is not None:
+            above, up = above + up.length, up.parent
+        assert above + depth == length
+
     @rule(ids=tokens, data=st.data(), priority=st.integers(0, 2), form=id_forms)
     def insert(self, ids, data, priority, form):
         own_len, _ = self.expected_match(ids)
