@@ -735,6 +735,8 @@ class Engine:
         for other in admitted:
             if other.lc.salt == job.lc.salt:
                 shared = common_prefix_len(mine, other.lc.prompt) // page * page
+                if self.windowed and shared < other.lc.prompt.numel():
+                    continue  # its insert keeps the window K/V of its prompt's tail only
                 if shared > match.cached_len:
                     return True
         return False

@@ -28,7 +28,8 @@ from .model import _GATE_UP, _QKV, _projections
 from .pool import KVPool, PagedBatch, PageTable, PoolCache, as_index_tensor
 
 __all__ = ["CHUNK", "MIN_ROWS", "LayerKV", "PrefillPlan", "WorkingKV", "aligned_attention",
-           "attention_lse", "forward_paged", "forward_windowed", "is_llama", "llama_forward", "shared_prefix_attention"]
+           "attention_lse", "forward_paged", "forward_windowed", "is_llama", "llama_forward",
+           "shared_prefix_attention"]
 
 # ---------------------------------------------------------------------------
 # A Llama forward without transformers' cache object, mask or per-layer dispatch.
