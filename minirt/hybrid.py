@@ -12,10 +12,13 @@ positions when it continues a prefix. So the tree keeps two kinds of K/V per tok
   `srt/mem_cache/unified_cache/components/swa.py: SWAComponent`).
 
 ``match_prefix`` returns the longest prefix whose last ``W - 1`` tokens have their window
-K/V (the *tail window*) and whose full K/V are all there. ``WindowRunner`` runs a model
-through the cache: it frees a request's own window K/V as soon as they leave its window
-(vLLM's ``remove_skipped_blocks``), keeps them where a later request may branch, and
-inserts the rest as tombstones.
+K/V (the *tail window*) and whose full K/V are all there. ``WindowLifecycle`` is chapter
+04's lifecycle on it, over two ``KVPool``s (full layers', window layers'), with
+``forward.forward_windowed`` as its forward: a request frees its own window K/V as soon as
+they leave its window (vLLM's ``remove_skipped_blocks``), keeps them where a later request
+may branch, and inserts the rest as tombstones. ``Engine(cache="window")`` serves through
+it (chosen by itself for a model whose config has sliding layers); ``WindowRunner`` runs
+one request at a time through it, for the chapter.
 
 Where minirt differs from SGLang: tokens, not pages (page size 1); a lock protects the
 window K/V of its whole path (SGLang locks only the window: ``release_window_lock``); one
