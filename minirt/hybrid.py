@@ -739,7 +739,9 @@ class WindowLifecycle(Lifecycle):
         def left(r: Request) -> int:  # full slots its remaining steps still take
             return r.prompt.numel() + r.max_new_tokens - 1 - r.cached_len - r.private.numel()
 
-        def held(r: Request) -> int:
+        def held(r: Request) -> int:  # its own window slots that stay its own
+            if r.kv_len == r.cached_len:  # admitted, not prefilled: the gap's slots go to
+                return 0                  # the tree or back to the pool after prefill
             return sum(s != NO_SLOT for s in self.window_tables[r.rid][r.cached_len:])
 
         res_f = sum(left(r) for r in running)
