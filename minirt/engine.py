@@ -24,7 +24,9 @@ everything submitted so far, the way mini-sglang's scheduler loop does:
 until they are all done. With ``use_cache=False`` the same loop computes every prompt
 in full and caches nothing: the baseline the savings are measured against.
 ``cache="hash"`` runs the same loop on chapter 08's block-hash cache (vLLM's design)
-instead of the radix tree.
+instead of the radix tree; ``cache="window"`` (chosen by itself for a model with
+sliding-window layers) on chapter 11's window-aware tree over two pools
+(``minirt.hybrid.WindowLifecycle``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from functools import partial
 import torch
 
 from .cache import MatchResult, PrefixCache, RadixCache, as_ids, check_salt
-from .errors import InvalidIdsError, RequestError, TierError
+from .errors import InvalidIdsError, ModelError, PoolError, RequestError, TierError
 from .eviction import EvictionPolicy
 from .lifecycle import Lifecycle, greedy_token, node_path
 from .lifecycle import Request as LifecycleRequest
@@ -360,17 +362,30 @@ class Engine:
     ``deterministic``: every request's logits are the same bits whatever is cached, whatever
     else is in its batch and however its steps are split (``minirt.forward``'s switch, a
     Llama only; chapter 10).
+    ``cache="window"`` (the default, ``cache=None``, for a model whose config has sliding
+    layers; "radix" otherwise): chapter 11's ``hybrid.WindowLifecycle``, full layers' K/V
+    in a pool of ``capacity`` tokens, window layers' in one of ``window_capacity`` (default
+    ``capacity``); page size 1, LRU, no host tier, salt or deterministic mode (PoolError,
+    TierError, ModelError: nothing is built).
     """
 
     def __init__(self, model, tokenizer=None, capacity: int = 8192, page_size: int = 1,
                  policy: str | EvictionPolicy = "lru", use_cache: bool = True,
                  token_budget: int = 2048, check: bool = False,
-                 schedule: str | Scheduler = "fcfs", cache: str = "radix",
+                 schedule: str | Scheduler = "fcfs", cache: str | None = None,
                  host_capacity: int | None = None, write_policy: str = "write_through",
-                 write_through_threshold: int = 1, deterministic: bool = False) -> None:
+                 write_through_threshold: int = 1, deterministic: bool = False,
+                 window_capacity: int | None = None) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) \
                 or token_budget < 1:
             raise RequestError(f"token_budget must be a positive int, got {token_budget!r}")
+        from .hybrid import has_window_layers
+
+        if cache is None:
+            cache = "window" if has_window_layers(model) else "radix"
+        self.windowed = cache == "window"
+        if self.windowed:
+            _check_window_settings(page_size, policy, deterministic)
         if host_capacity is not None:
             from .tiers import check_tier_settings  # chapter 09's module, loaded when asked for
 
@@ -381,18 +396,24 @@ class Engine:
                                 "has none")
         self.scheduler = make_scheduler(schedule)
         self.model, self.tokenizer = model, tokenizer
-        fuse_projections(model)  # q/k/v and gate/up as one GEMM each: same logits
-        self.pool = KVPool.for_model(model, capacity, page_size)
         self.host_tier = None  # the cache itself when it has a host tier
-        if host_capacity is None:
-            self.cache = _make_cache(cache, page_size, policy)
-        else:
-            from .tiers import HiRadixCache
+        if self.windowed:  # chapter 11: two pools, the window-aware tree
+            from .hybrid import WindowLifecycle
 
-            self.cache = self.host_tier = HiRadixCache(
-                self.pool, host_capacity, write_policy=write_policy,
-                write_through_threshold=write_through_threshold, policy=policy)
-        self.lifecycle = _CountingLifecycle(model, self.pool, self.cache)
+            self.lifecycle = WindowLifecycle(model, capacity, window_capacity)
+            self.pool, self.cache = self.lifecycle.pool, self.lifecycle.cache
+        else:
+            self.pool = KVPool.for_model(model, capacity, page_size)
+            if host_capacity is None:
+                self.cache = _make_cache(cache, page_size, policy)
+            else:
+                from .tiers import HiRadixCache
+
+                self.cache = self.host_tier = HiRadixCache(
+                    self.pool, host_capacity, write_policy=write_policy,
+                    write_through_threshold=write_through_threshold, policy=policy)
+            self.lifecycle = _CountingLifecycle(model, self.pool, self.cache)
+        fuse_projections(model)  # q/k/v and gate/up as one GEMM each: same logits
         if self.host_tier is not None:  # load-backs make room the way admissions do
             self.host_tier.make_room = self.lifecycle.make_room
         self.use_cache, self.token_budget, self.check = use_cache, token_budget, check
@@ -618,6 +639,8 @@ class Engine:
         is sampled from, and a cache holds K/V, not logits.
         """
         req = job.lc
+        if self.windowed:
+            return self.lifecycle.match(req)
         extra = {} if self.host_tier is None else {"load_back": False}
         req.match = self.cache.match_prefix(req.prompt[:-1], priority=job.request.priority,
                                             salt=req.salt, **extra)
@@ -642,6 +665,8 @@ class Engine:
         steps may need, so decoding never runs out of memory mid-flight. Locking the
         match turns its currently evictable part into protected, so that part counts too.
         """
+        if self.windowed:
+            return self.lifecycle.fits(job.lc, match, [j.lc for j in running])
         reserved = sum(j.final_slots - (j.lc.cached_len + int(j.lc.private.numel()))
                        for j in running)
         pinned = sum(len(u.value) for u in self.cache.held_by(match.handle)
@@ -710,6 +735,8 @@ class Engine:
         for other in admitted:
             if other.lc.salt == job.lc.salt:
                 shared = common_prefix_len(mine, other.lc.prompt) // page * page
+                if self.windowed and shared < other.lc.prompt.numel():
+                    continue  # its insert keeps the window K/V of its prompt's tail only
                 if shared > match.cached_len:
                     return True
         return False
@@ -814,6 +841,8 @@ class Engine:
     # ------------------------------------------------------------ housekeeping
     def flush(self) -> int:
         """Evict every unlocked cached token back to the free list; returns how many."""
+        if self.windowed:
+            return self.lifecycle.flush()
         n = self.cache.evictable_size
         if n:
             self.pool.free(self.cache.evict(n))
@@ -844,7 +873,19 @@ def _make_cache(kind: str, page_size: int, policy: str | EvictionPolicy) -> Pref
         from .hashcache import HashCache  # chapter 08's module, loaded only when asked for
 
         return HashCache(block_size=page_size)
-    raise ValueError(f"cache must be 'radix' or 'hash', got {kind!r}")
+    raise ValueError(f"cache must be 'radix', 'hash' or 'window', got {kind!r}")
+
+
+def _check_window_settings(page_size: int, policy, deterministic: bool) -> None:
+    """What chapter 11's window cache does not do: pages, other policies, determinism."""
+    if page_size != 1:
+        raise PoolError(f"the window cache keeps tokens (page_size=1), got page_size={page_size}")
+    if policy != "lru":
+        raise PoolError(f"the window cache evicts least recently used first; policy "
+                        f"{policy!r} applies to the radix cache only")
+    if deterministic:
+        raise ModelError("deterministic mode runs a Llama through aligned attention; the "
+                         "window cache's forward (forward_windowed) has no such mode")
 
 
 def _eos_id(model, tokenizer) -> int | None:

@@ -27,8 +27,9 @@ from .errors import ModelError, PoolError
 from .model import _GATE_UP, _QKV, _projections
 from .pool import KVPool, PagedBatch, PageTable, PoolCache, as_index_tensor
 
-__all__ = ["CHUNK", "MIN_ROWS", "PrefillPlan", "WorkingKV", "aligned_attention", "attention_lse",
-           "forward_paged", "is_llama", "llama_forward", "shared_prefix_attention"]
+__all__ = ["CHUNK", "MIN_ROWS", "LayerKV", "PrefillPlan", "WorkingKV", "aligned_attention",
+           "attention_lse", "forward_paged", "forward_windowed", "is_llama", "llama_forward",
+           "shared_prefix_attention"]
 
 # ---------------------------------------------------------------------------
 # A Llama forward without transformers' cache object, mask or per-layer dispatch.
@@ -511,6 +512,102 @@ def _prefill_aligned(model, pool: KVPool, tables: Sequence[PageTable],
     if last_only:
         return list(logits)
     return [logits[offsets[r]:offsets[r + 1]] for r in range(b)]
+
+
+# ---------------------------------------------------------------------------
+# Sliding-window layers (chapter 11): each layer kind reads its own pool and table.
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Where one layer of ``forward_windowed``'s model keeps its K/V: ``pool``, at layer
+    ``index`` of it, read through table ``table`` of each request; ``window``: the layer's
+    sliding window W (it reads the W positions ending at the query), None for full
+    attention."""
+
+    pool: KVPool
+    index: int
+    table: int
+    window: int | None = None
+
+
+@torch.inference_mode()
+def forward_windowed(model, layers: Sequence[LayerKV], tables: Sequence[Sequence[torch.Tensor]],
+                     new_ids: Sequence) -> list[torch.Tensor]:
+    """Run a Llama-shaped ``model`` (a Qwen2 with sliding layers included) on the new tokens
+    of several requests whose layers keep K/V in different pools; return each request's
+    last logits ``[vocab]``.
+
+    ``tables[r][j]`` maps every position of request ``r`` (its ``len(new_ids[r])`` new
+    tokens last) to a slot of the pools read through table ``j``; ``-1`` marks a position
+    whose K/V that table does not hold. A full layer reads every position; a window layer
+    only the ``W - 1`` before a query's first new token and the new ones (the windowed
+    gather), so its table may hold nothing further back: PoolError if one it reads is
+    missing. Each layer writes the new tokens' K/V first, then attends over what it reads,
+    one padded batch per layer, a mask saying which keys each query sees.
+    """
+    if len(tables) != len(new_ids) or not tables:
+        raise PoolError(f"forward_windowed needs one set of tables per request, got "
+                        f"{len(tables)} and {len(new_ids)} id lists")
+    if len(layers) != len(model.model.layers):
+        raise PoolError(f"{len(layers)} LayerKV for a model of {len(model.model.layers)} layers")
+    ids = [as_index_tensor(x, "token ids") for x in new_ids]
+    device = layers[0].pool.device
+    b, num_new = len(ids), [x.numel() for x in ids]
+    lengths = [len(t[0]) for t in tables]
+    if any(n == 0 or n > n_pos for n, n_pos in zip(num_new, lengths, strict=True)):
+        raise PoolError("every request needs new tokens, each with a slot in its tables")
+    m = max(num_new)
+    input_ids = torch.zeros(b, m, dtype=torch.int64)
+    positions = torch.zeros(b, m, dtype=torch.int64)
+    real = torch.arange(m) >= m - torch.tensor(num_new)[:, None]  # right-aligned new tokens
+    for r, (x, n_pos) in enumerate(zip(ids, lengths, strict=True)):
+        input_ids[r, m - x.numel():] = x
+        positions[r] = (torch.arange(m) - m + n_pos).clamp(min=n_pos - x.numel())  # pad: first
+
+    reads = {}  # (table, window) -> new slots, key slots [b, width], mask [b, 1, m, width]
+    for spec in {(layer.table, layer.window) for layer in layers}:
+        j, window = spec
+        new_slots, key_slots, key_pos = [], [], []
+        for r, (t, n) in enumerate(zip(tables, num_new, strict=True)):
+            slots = torch.as_tensor(t[j], dtype=torch.int64)
+            lo = 0 if window is None else max(0, len(slots) - n - (window - 1))
+            if bool((slots[lo:] < 0).any()):
+                raise PoolError(f"request {r}: table {j} lacks K/V at positions "
+                                f"{(slots[lo:] < 0).nonzero()[:, 0].add(lo)[:8].tolist()} "
+                                "that its layers read")
+            new_slots.append(slots[len(slots) - n:])
+            key_slots.append(slots[lo:])
+            key_pos.append(torch.arange(lo, len(slots)))
+        width = max(k.numel() for k in key_slots)
+        ks = torch.zeros(b, width, dtype=torch.int64)
+        kp = torch.full((b, width), -1, dtype=torch.int64)
+        for r, (k, p) in enumerate(zip(key_slots, key_pos, strict=True)):
+            ks[r, width - k.numel():], kp[r, width - p.numel():] = k, p
+        sees = (kp[:, None, :] >= 0) & (kp[:, None, :] <= positions[:, :, None])
+        if window is not None:
+            sees &= positions[:, :, None] - kp[:, None, :] < window
+        reads[spec] = (torch.cat(new_slots).to(device), ks.to(device), sees[:, None].to(device))
+    flat_real = real.view(-1).nonzero()[:, 0].to(device)
+
+    def attend(i: int, q, k, v, scale: float) -> torch.Tensor:
+        # q [b, heads, m, head_dim], k and v [b, kv_heads, m, head_dim]
+        layer = layers[i]
+        new_slots, key_slots, mask = reads[layer.table, layer.window]
+        pool, kv_heads = layer.pool, k.shape[1]
+        rows_k = k.transpose(1, 2).reshape(b * m, kv_heads, -1).index_select(0, flat_real)
+        rows_v = v.transpose(1, 2).reshape(b * m, kv_heads, -1).index_select(0, flat_real)
+        pool.write(layer.index, new_slots, rows_k, rows_v)
+        keys, values = pool.gather(layer.index, key_slots)  # [b, width, kv_heads, head_dim]
+        rep = q.shape[1] // kv_heads
+        keys = keys.transpose(1, 2).repeat_interleave(rep, 1)
+        values = values.transpose(1, 2).repeat_interleave(rep, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values,
+                                                               attn_mask=mask, scale=scale)
+        return out.transpose(1, 2).reshape(b, m, -1)
+
+    logits = llama_forward(model, input_ids.to(device), positions.to(device), attend)
+    return list(logits)
 
 
 # ---------------------------------------------------------------------------

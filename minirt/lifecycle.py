@@ -296,10 +296,8 @@ class Lifecycle:
         """
         return self.prefill_batch([req], all_logits)[0]
 
-    def prefill_batch(self, reqs: Sequence[Request],
-                      all_logits: bool = False) -> list[torch.Tensor]:
-        """``prefill`` for several requests in one forward pass: a ragged batch, each with its
-        own cached length and new tokens, each reading its own cached prefix from the pool."""
+    def _prefill_ready(self, reqs: Sequence[Request]) -> list[Request]:
+        """``reqs`` as a list; RequestError unless each is running, not yet prefilled, once."""
         reqs = list(reqs)
         for req in reqs:
             self._require(req, "running")
@@ -307,6 +305,26 @@ class Lifecycle:
                 raise RequestError(f"{req.rid} was already prefilled")
         if len({r.rid for r in reqs}) != len(reqs):
             raise RequestError("a request appears twice in one prefill batch")
+        return reqs
+
+    def _decode_ready(self, reqs: Sequence[Request]) -> list[Request]:
+        """``reqs`` as a list; RequestError unless each is prefilled, not done, once."""
+        reqs = list(reqs)
+        for r in reqs:
+            self._require(r, "running")
+            if not r.output or r.kv_len != r.prompt.numel() + len(r.output) - 1:
+                raise RequestError(f"{r.rid} must be prefilled before it can decode")
+            if r.done:
+                raise RequestError(f"{r.rid} is done; finish it instead of decoding")
+        if len({r.rid for r in reqs}) != len(reqs):
+            raise RequestError("a request appears twice in one decode batch")
+        return reqs
+
+    def prefill_batch(self, reqs: Sequence[Request],
+                      all_logits: bool = False) -> list[torch.Tensor]:
+        """``prefill`` for several requests in one forward pass: a ragged batch, each with its
+        own cached length and new tokens, each reading its own cached prefix from the pool."""
+        reqs = self._prefill_ready(reqs)
         logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
                                [r.prompt[r.kv_len:] for r in reqs], last_only=not all_logits,
                                share_runs=self.share_runs, deterministic=self.deterministic)
@@ -328,15 +346,7 @@ class Lifecycle:
         Slots are found before the model runs: if free + evictable cannot cover every
         request that needs a new page, OutOfMemoryError is raised before anything changes.
         """
-        reqs = list(reqs)
-        for r in reqs:
-            self._require(r, "running")
-            if not r.output or r.kv_len != r.prompt.numel() + len(r.output) - 1:
-                raise RequestError(f"{r.rid} must be prefilled before it can decode")
-            if r.done:
-                raise RequestError(f"{r.rid} is done; finish it instead of decoding")
-        if len({r.rid for r in reqs}) != len(reqs):
-            raise RequestError("a request appears twice in one decode batch")
+        reqs = self._decode_ready(reqs)
         short = [r for r in reqs if len(r.page_table) - r.cached_len >= r.private.numel()]
         need = len(short) * self.page_size
         if need > self.pool.num_free + self.cache.evictable_size:

@@ -90,7 +90,8 @@ class KVPool:
         layer_types = getattr(config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
             raise PoolError("KVPool supports models whose every layer is full attention; "
-                            f"this one has layer types {sorted(set(layer_types))}")
+                            f"this one has layer types {sorted(set(layer_types))} (the "
+                            "engine serves it with cache='window', chapter 11)")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads

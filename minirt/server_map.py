@@ -282,11 +282,18 @@ MAP: list[MapRow] = [
          "-", "one component (SGLang) or one manager per KV cache group (vLLM) per layer kind; "
          "page-sized window blocks; an every-layer-sliding cache, sglang 0.5.23 "
          "`srt/mem_cache/pure_swa_radix_cache.py: PureSWARadixCache`"),
-        ("hybrid.WindowRunner",
+        ("hybrid.WindowLifecycle",
          "sglang 0.5.23 `srt/mem_cache/common.py: free_swa_out_of_window_slots`",
          "vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: "
          "SingleTypeKVCacheManager.remove_skipped_blocks`",
-         "-", "window K/V freed as they leave the window while a request runs"),
+         "-", "the engine's lifecycle over two pools (Engine(cache='window')); window K/V "
+         "a request owns freed as they leave its window, the tree's kept"),
+        ("forward.forward_windowed",
+         "sglang 0.5.23 `srt/mem_cache/swa_memory_pool.py: SWAKVPool, "
+         "SWAKVPool.translate_loc_from_full_to_swa`",
+         "vllm 0.32.0 `v1/worker/block_table.py: MultiGroupBlockTable`",
+         "-", "a page table per pool (SGLang maps full slots to window slots; vLLM keeps one "
+         "block table per KV cache group); attention kernels, not a padded gather"),
         ("state.StateCache",
          "sglang 0.5.23 `srt/mem_cache/unified_cache/components/mamba.py: MambaComponent, "
          "MambaComponent.create_match_validator`",

@@ -11,7 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minirt.errors import HandleError, InvalidIdsError, OutOfMemoryError, StaleHandleError
+from minirt.errors import (
+    HandleError,
+    InvalidIdsError,
+    OutOfMemoryError,
+    RequestError,
+    StaleHandleError,
+)
 from minirt.hybrid import (
     NO_SLOT,
     HybridSpec,
@@ -142,10 +148,10 @@ def test_runner_error_leaves_state_unchanged():
     r = WindowRunner(model, 8, 8, check=True)
     r.generate([1, 2, 3], 2)
     before = r.cache.snapshot(), r.pools["full"].snapshot(), r.pools["window"].snapshot()
-    with pytest.raises(OutOfMemoryError):
+    with pytest.raises(RequestError, match="pool holds only 8"):
         r.generate(list(range(20)), 2)  # more than the pools hold
     r.check_integrity()
-    with pytest.raises(InvalidIdsError):
+    with pytest.raises(RequestError):
         r.generate([], 2)
     after = r.cache.snapshot(), r.pools["full"].snapshot(), r.pools["window"].snapshot()
     assert after == before
@@ -167,3 +173,120 @@ def test_greedy_equals_uncached_with_evictions(specs, window, capacity, aware):
         prompt = stems[stem] + tail
         assert runner.generate(prompt, 3) == greedy_uncached(model, prompt, 3)
     runner.check_integrity()
+
+
+# ---------------------------------------------------------------- through the engine
+
+def _requests(prompts, new=4):
+    from minirt.engine import Request
+
+    return [Request(prompt=p, max_new_tokens=new, stop_on_eos=False) for p in prompts]
+
+
+STEM = [7, 3, 9, 1, 4, 4, 2, 8]
+ENGINE_PROMPTS = ([STEM + [i, i + 1] for i in range(5)] + [STEM[:4] + [50]]
+                  + [STEM + [0, 1, 2, 3], [99, 98]])
+
+
+@pytest.mark.parametrize("capacity", [200, 24])
+def test_engine_serves_window_layers_equal_to_uncached(capacity):
+    """Batches of requests with shared prefixes, twice (the second round hits), through
+    the engine's window cache; a 24-slot pool must evict. Integrity after every step."""
+    from minirt.engine import Engine
+    from minirt.hybrid import WindowLifecycle
+
+    model = windowed(window=3)
+    ref = [greedy_uncached(model, p, 4) for p in ENGINE_PROMPTS]
+    engine = Engine(model, capacity=capacity, check=True, token_budget=30)
+    assert isinstance(engine.lifecycle, WindowLifecycle)  # chosen from the config
+    first = engine.generate(_requests(ENGINE_PROMPTS), progress=False)
+    second = engine.generate(_requests(ENGINE_PROMPTS), progress=False)
+    assert first.outputs == ref and second.outputs == ref
+    assert second.totals.cached_tokens > first.totals.cached_tokens > 0
+    assert not engine.running and not engine.lifecycle.window_tables
+    if capacity == 24:
+        assert engine.evicted_tokens > 0
+    assert engine.cache.window_tokens < engine.cache.full_tokens  # early frees: tombstones
+    engine.flush()
+    assert engine.cache.full_tokens == 0 and engine.pool.num_used == 0
+    assert engine.lifecycle.pools["window"].num_used == 0
+
+
+def test_engine_window_batches_decode_and_cancel():
+    """Several requests decode in one batch; cancelling one mid-run frees both kinds."""
+    from minirt.engine import Engine
+
+    model = windowed(window=2)
+    engine = Engine(model, capacity=80, window_capacity=48, check=True)
+    handles = [engine.submit(r) for r in _requests(ENGINE_PROMPTS[:4], new=6)]
+    engine.step()
+    assert len(engine.running) == 4  # one prefill batch, then one decode batch
+    engine.cancel(handles[1])
+    while engine.has_work:
+        engine.step()
+    for h, p in zip(handles, ENGINE_PROMPTS[:4], strict=True):
+        if h is not handles[1]:
+            assert h.result.output_ids == greedy_uncached(model, p, 6)
+    assert handles[1].status == "cancelled"
+    engine.lifecycle.check_integrity()
+
+
+def test_engine_window_bad_settings_build_nothing_and_bad_requests_change_nothing():
+    from minirt.engine import Engine, Request
+    from minirt.errors import ModelError, PoolError, RequestError, TierError
+
+    model = windowed(window=3)
+    with pytest.raises(PoolError, match="no sliding|has none"):
+        Engine(tiny_model(0, num_layers=3), cache="window")
+    with pytest.raises(PoolError, match="cache='window'"):
+        Engine(model, cache="radix")
+    with pytest.raises(PoolError, match="page_size"):
+        Engine(model, page_size=2)
+    with pytest.raises(PoolError, match="policy"):
+        Engine(model, policy="lfu")
+    with pytest.raises(ModelError, match="deterministic"):
+        Engine(model, deterministic=True)
+    with pytest.raises(TierError):
+        Engine(model, host_capacity=64)
+    engine = Engine(model, capacity=40, window_capacity=12, check=True)
+    engine.generate(_requests([STEM]), progress=False)
+    before = engine.cache.snapshot(), engine.pool.snapshot(), \
+        engine.lifecycle.pools["window"].snapshot()
+    out = engine.generate([Request(prompt=STEM, cache_salt="a"),
+                           Request(prompt=list(range(20)), max_new_tokens=2)], progress=False)
+    assert not out[0].ok and "salt" in str(out[0].error)
+    assert not out[1].ok and "window pool holds only 12" in str(out[1].error)
+    with pytest.raises(RequestError):
+        engine.submit(Request(prompt=STEM, cache_salt="a"))
+    after = engine.cache.snapshot(), engine.pool.snapshot(), \
+        engine.lifecycle.pools["window"].snapshot()
+    assert after == before and not engine.lifecycle.requests
+
+
+engine_waves = st.lists(
+    st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 127), min_size=1,
+                                                   max_size=6)), min_size=1, max_size=4),
+    min_size=1, max_size=3)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(engine_waves, st.sampled_from([2, 3, 5]), st.integers(30, 80), st.integers(4, 32))
+def test_engine_greedy_equals_uncached_hypothesis(waves, window, capacity, budget):
+    """Random prompts on shared stems, submitted in waves while others run, small pools
+    (evictions), any token budget: every output equals transformers' uncached greedy,
+    and the integrity check (both kinds of K/V) holds after every step."""
+    from minirt.engine import Engine
+
+    model = windowed(window=window)
+    stems = [STEM[: 2 * k] for k in range(4)]
+    engine = Engine(model, capacity=capacity, window_capacity=capacity // 2 + 8,
+                    token_budget=budget, check=True)
+    handles = []
+    for wave in waves:
+        prompts = [stems[s] + tail for s, tail in wave]
+        handles += [(engine.submit(r), r.prompt) for r in _requests(prompts, new=3)]
+        engine.step()
+    while engine.has_work:
+        engine.step()
+    for h, p in handles:
+        assert h.result.output_ids == greedy_uncached(model, p, 3)
