@@ -98,12 +98,6 @@ Triton backend also splits decode attention at a fixed tile, 256 keys unless
 fp32 the per-chunk products need chunks of at least 16 keys to be row-invariant."""
 
 
-QUERY_BLOCK = 256
-"""Queries ``aligned_attention`` takes at a time: a block skips the key chunks wholly past
-its last position (exact zeros: the same bits). A 1,024-token fp32 prefill on 2 loaded
-cores: blocks of 64 cost three times blocks of 256 (many small operations), 512 as 256."""
-
-
 def _rows(fn, x: torch.Tensor):
     """``fn(x)`` (a row-wise map of ``x`` ``[..., features]``: a Linear, or fused projections
     returning a list) with ``x`` padded by zero rows to at least ``MIN_ROWS`` rows."""
@@ -207,6 +201,12 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     lse = torch.logsumexp(scores, -1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v)
     return out, lse
+
+
+QUERY_BLOCK = 256
+"""Queries ``aligned_attention`` takes at a time: a block skips the key chunks wholly past
+its last position (exact zeros: the same bits). A 1,024-token fp32 prefill on 2 loaded
+cores: blocks of 64 cost three times blocks of 256 (many small operations), 512 as 256."""
 
 
 def aligned_attention(query: torch.Tensor, positions: torch.Tensor, prefix_k: torch.Tensor,
