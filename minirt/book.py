@@ -31,7 +31,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     1: ("kv",),
     2: ("radix", "viz", "workloads"),
     3: ("cache", "widgets"),
-    4: ("pool", "forward", "lifecycle"),  # forward: extended by 06 (fast paths, deterministic mode)
+    4: ("pool", "forward", "lifecycle"),  # forward: extended by 06 (fast paths), 10 (exact)
     5: ("eviction", "simulate"),
     6: ("engine", "serve", "replay"),  # serve and replay: chapter 06a, part of chapter 6
     7: ("scheduler",),

@@ -259,7 +259,7 @@ MAP: list[MapRow] = [
          "prefix_hash: a hash of the first tokens instead of a session id"),
     ),
     *_rows(
-        6,
+        10,
         ("forward.aligned_attention",
          "sglang 0.5.23 `srt/batch_invariant_ops/batch_invariant_ops.py: "
          "enable_batch_invariant_mode`; a fixed split tile in sglang 0.5.23 "

@@ -191,9 +191,11 @@ def test_deterministic_logits_are_one_requests_uncached_pass(dtype, data):
     """The mode's promise, bit for bit: whatever is cached (random prefixes shared at random
     lengths), whatever else is in the batch and in whatever order, prefill logits and the
     next decode step's equal one request's uncached pass by itself, in fp32 and bf16.
-    Chunks of 16 keys, so that 60-token prefixes cross chunk boundaries."""
+    Chunks of 16 keys, so that 60-token prefixes cross chunk boundaries; queries in blocks
+    of 5 or 16 (``QUERY_BLOCK``), or all at once."""
     model = _tiny(dtype)
-    with mock.patch.object(forward, "CHUNK", 16):
+    block = data.draw(st.sampled_from([5, 16, 1000]))
+    with mock.patch.object(forward, "CHUNK", 16), mock.patch.object(forward, "QUERY_BLOCK", block):
         prompts, nxt, prefill, decode = _served(model, data, deterministic=True)
         for prompt, token, lg, dec in zip(prompts, nxt, prefill, decode, strict=True):
             assert torch.equal(lg, _alone(model, prompt))
