@@ -255,8 +255,10 @@ def aligned_attention(query: torch.Tensor, positions: torch.Tensor, prefix_k: to
         pos = torch.cat([pos, pos.new_full((b, 1, MIN_ROWS - rows), p + n)], 2)
     r = q.shape[2]
     width = -(-n // chunk) * chunk  # own keys padded to whole chunks, masked
-    ko = torch.nn.functional.pad(key.to(f32), (0, 0, 0, width - n))
-    vo = torch.nn.functional.pad(value.to(f32), (0, 0, 0, width - n))
+    ko, vo = key.to(f32), value.to(f32)
+    if width > n:
+        ko = torch.nn.functional.pad(ko, (0, 0, 0, width - n))
+        vo = torch.nn.functional.pad(vo, (0, 0, 0, width - n))
     ko = ko.view(b, kv_heads, width // chunk, chunk, d)
     vo = vo.view(b, kv_heads, width // chunk, chunk, d)
     own = torch.matmul(q[:, :, None], ko.transpose(-1, -2)).mul_(scale)  # [b, kvh, c, r, chunk]
@@ -773,14 +775,16 @@ class WorkingKV:
             mask.masked_fill_((torch.arange(width) > own[:, None]).view(n, 1, 1, width)
                               .to(device), float("-inf"))
 
+        span = min(-(-width // CHUNK) * CHUNK, self.k.shape[3])
+
         def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
             keys, values = self.k[layer], self.v[layer]
             keys[rows, :, column] = k[:, :, 0]
             values[rows, :, column] = v[:, :, 0]
-            if deterministic:
+            if deterministic:  # whole chunks of the rows (past ``width``: masked), no copy
                 out = aligned_attention(q, lengths.view(n, 1), self.prefix_k[layer],
-                                        self.prefix_v[layer], keys[:n, :, :width],
-                                        values[:n, :, :width], scale)
+                                        self.prefix_v[layer], keys[:n, :, :span],
+                                        values[:n, :, :span], scale)
             else:
                 out = shared_prefix_attention(q, self.prefix_k[layer], self.prefix_v[layer],
                                               keys[:n, :, :width], values[:n, :, :width],
