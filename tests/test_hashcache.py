@@ -232,7 +232,7 @@ def test_engine_hash_cache_hits_and_salts(model):
     assert not bad[0].ok and "salt" in str(bad[0].error)
     with pytest.raises(ValueError, match="radix cache only"):
         Engine(model, cache="hash", policy="lfu")
-    with pytest.raises(ValueError, match="'radix' or 'hash'"):
+    with pytest.raises(ValueError, match="'radix', 'hash' or 'window'"):
         Engine(model, cache="tree")
 
 
