@@ -268,8 +268,8 @@ def fuse_projections(model, prepack: bool = True) -> int:
 
     The weights are concatenated once; ``q_proj`` .. ``up_proj`` keep their modules and
     parameters, now views into the fused matrices (``state_dict`` and the printed model
-    unchanged). ``prepack``: on CPU in fp32, the layers' and the output head's GEMMs of
-    more than one row also run on copies of the weights in oneDNN's blocked layout, as
+    unchanged). ``prepack``: on CPU in fp32, the layers' and the output head's GEMMs also
+    run on copies of the weights in oneDNN's blocked layout, as
     vLLM's CPU build does (the copies are made once: change a weight afterwards and call
     this again with a fresh model). Same maths, fewer and faster matrix multiplies: the
     logits equal the unfused model's within fp32 rounding (``tests/test_model.py``).
@@ -315,9 +315,9 @@ def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             packed: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, on the prepacked weight when there is one and ``x`` has several rows
-    (for a single row, a matrix-vector product, the plain kernel is faster)."""
-    if packed is None or x.device.type != "cpu" or x.numel() == x.shape[-1]:
+    """``F.linear``, on the prepacked weight when there is one (one row included: oneDNN's
+    matrix-vector product on the blocked weight reads it faster than the plain kernel)."""
+    if packed is None or x.device.type != "cpu":
         return torch.nn.functional.linear(x, weight, bias)
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none",
                                            [], "")

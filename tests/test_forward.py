@@ -26,17 +26,21 @@ from minirt.model import fuse_projections, load_model, tiny_model
 from minirt.pool import KVPool, PageTable
 
 
-@pytest.mark.parametrize("kernel", ["cpu flash", "matrix products"])
+@pytest.mark.parametrize("kernel", ["cpu flash", "cpu flash, heads repeated",
+                                    "matrix products"])
 @pytest.mark.parametrize("m", [1, 5])
 def test_attention_split_at_a_shared_prefix_is_whole_attention(monkeypatch, kernel, m):
     """``shared_prefix_attention``: a prefix read once for the batch, each sequence's own keys
     (ragged, behind a mask, or causal), merged through their log-sum-exps, equals one
     softmax over the whole keys; ``attention_lse``'s log-sum-exp is the scores' own, on
-    torch's CPU kernel and on the matrix-product path other devices take."""
+    torch's CPU kernel (reading grouped K/V heads in place, or repeated first, as on a
+    torch whose kernel cannot) and on the matrix-product path other devices take."""
     import minirt.forward as forward_module
 
     if kernel == "matrix products":
         monkeypatch.setattr(forward_module, "_FLASH_CPU", None)
+    if kernel == "cpu flash, heads repeated":
+        monkeypatch.setattr(forward_module, "_flash_reads_grouped_kv", lambda: False)
     gen = torch.Generator().manual_seed(4)
     b, heads, kv_heads, d, p, n = 3, 6, 2, 8, 7, 9
     q = torch.randn(b, heads, m, d, generator=gen)
@@ -67,10 +71,13 @@ def test_attention_split_at_a_shared_prefix_is_whole_attention(monkeypatch, kern
     _, lse = attention_lse(q, k, v, ragged, 0.3)
     want_lse = torch.logsumexp(scores.masked_fill(~ragged, float("-inf")), -1)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
-    out, _ = attention_lse(square, k, v, None, 0.3, causal=True)
+    out, lse = attention_lse(square, k, v, None, 0.3, causal=True)
     want = torch.nn.functional.scaled_dot_product_attention(square, k, v, is_causal=True,
                                                             scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    repeated = attention_lse(square, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                             None, 0.3, causal=True)  # the heads repeated by the caller
+    assert torch.equal(repeated[0], out) and torch.equal(repeated[1], lse)
 
 
 @pytest.mark.parametrize("which", ["tiny_model", "default model"])
