@@ -188,14 +188,15 @@ def near_ties(cases: list[dict], model_path: str, output_len: int = OUTPUT_LEN) 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     lines = []
     for case in cases:
-        ids = torch.tensor([tok(case["prompt"])["input_ids"]])
+        ids, past = torch.tensor([tok(case["prompt"])["input_ids"]]), None
         ref, gaps = [], []
-        with torch.no_grad():
+        with torch.no_grad():  # transformers' own forward and KV cache: neither server's code
             for _ in range(output_len):
-                top = model(ids).logits[0, -1].topk(2)
+                out = model(ids, past_key_values=past, use_cache=True)
+                top, past = out.logits[0, -1].topk(2), out.past_key_values
                 ref.append(int(top.indices[0]))
                 gaps.append(float(top.values[0] - top.values[1]))
-                ids = torch.cat([ids, top.indices[:1].view(1, 1)], 1)
+                ids = top.indices[:1].view(1, 1)
         parts, ok = [], True
         for server, text in case["texts"].items():
             step = next((k for k in range(output_len) if not text.startswith(

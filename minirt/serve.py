@@ -149,6 +149,14 @@ class TextDeltas:
         return piece
 
 
+def sent_text(text: str) -> str:
+    """A finished request's text as clients get it: without a trailing U+FFFD, the
+    tokenizer's mark for a UTF-8 character whose last bytes were never generated. vLLM
+    never sends one either: its detokenizer yields whole characters only (vllm 0.32.0
+    `v1/engine/detokenizer.py: FastIncrementalDetokenizer`, on tokenizers' DecodeStream)."""
+    return text.rstrip("\ufffd")
+
+
 # ---------------------------------------------------------------- the engine thread
 
 
@@ -314,7 +322,7 @@ class EngineWorker:
             if failed:
                 stream.put(("error", f"request failed: {result.error}"))
                 return
-            piece = stream.deltas.flush(result.text) if stream.deltas is not None else ""
+            piece = stream.deltas.flush(sent_text(result.text)) if stream.deltas else ""
             if piece:
                 stream.put(("delta", piece))
             stream.put(("done", result))
@@ -664,7 +672,7 @@ async def _complete(worker: EngineWorker, stream: Stream, http: HttpRequest, end
     kind, result = outcome.result()
     if kind == "error":
         return JSONResponse(error_body(result, "server_error", code=500), status_code=500)
-    content = result.text
+    content = sent_text(result.text)
     if endpoint == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": content},
                   "finish_reason": _finish_reason(result), "logprobs": None}

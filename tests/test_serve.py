@@ -69,6 +69,28 @@ def test_models_health_and_model_info(server, http):
     assert "minirt_prefix_cache_queries_total" in names
 
 
+def test_a_character_cut_off_at_max_tokens_is_not_sent(http, local):
+    """Three greedy tokens end inside a Japanese character (the tokenizer decodes its first
+    bytes as U+FFFD): streamed and whole, the text is the engine's up to the last whole
+    character, as vLLM sends it."""
+    model, tokenizer = local
+    prompt = "Translate to Japanese: Good morning, how are you?\nJapanese:"
+    ids = tokenizer(prompt)["input_ids"]
+    engine = Engine(model, tokenizer, capacity=4096)
+    want = engine.generate([Request(prompt=ids, max_new_tokens=3, stop_on_eos=False)],
+                           progress=False)[0]
+    assert want.text.endswith("\ufffd")  # the case this test is about
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True}
+    whole = http.post("/completions", json=body).json()["choices"][0]["text"]
+    pieces = []
+    with http.stream("POST", "/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
+    assert whole == "".join(pieces) == want.text.rstrip("\ufffd") != ""
+
+
 def test_chat_stream_and_not_and_cached_tokens_as_the_engine_counts(server, local):
     """Two requests sharing a system prompt: the second one's cached_tokens is what a
     local Engine counts for the same pair; streamed and whole answers are the engine's."""
