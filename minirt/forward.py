@@ -738,6 +738,8 @@ class WorkingKV:
             idx = old.to(self.pool.device)
             self.k[:, r, :, :old.numel()] = self.pool.k[:, idx].transpose(1, 2)
             self.v[:, r, :, :old.numel()] = self.pool.v[:, idx].transpose(1, 2)
+            self.k[:, r, :, old.numel():] = 0  # past its end: masked, so it must be finite
+            self.v[:, r, :, old.numel():] = 0
             self.tables.append(t)
             self.slots.append(t.slots[:-1])
         return [index[id(t)] for t in self.tables]
@@ -772,17 +774,22 @@ class WorkingKV:
     def _reserve(self, rows: int, positions: int) -> None:
         """Room for ``rows`` rows of ``positions`` positions: regrown to a power of two rows
         and a multiple of ``grow`` positions, so a batch that grows by one request a step
-        does not reallocate at every step."""
+        does not reallocate at every step. The new buffer is not cleared as a whole: the
+        rows in use are copied and zeroed past their positions, and a row is zeroed past
+        its end when a request takes it (``sync``), so every position attention reads is
+        a K/V or a finite zero behind the mask, and rows never used cost no memory writes."""
         _, have_rows, _, have_pos, _ = self.k.shape
         if rows <= have_rows and positions <= have_pos:
             return
         rows, positions = max(rows, have_rows), max(positions, have_pos)
         rows, positions = 1 << (rows - 1).bit_length(), -(-positions // self.grow) * self.grow
         used = max((s.numel() - self.shared for s in self.slots), default=0)
+        n = len(self.tables)
         for name in ("k", "v"):
             old = getattr(self, name)
-            grown = old.new_zeros(old.shape[0], rows, old.shape[2], positions, old.shape[4])
-            grown[:, :len(self.tables), :, :used] = old[:, :len(self.tables), :, :used]
+            grown = old.new_empty(old.shape[0], rows, old.shape[2], positions, old.shape[4])
+            grown[:, :n, :, :used] = old[:, :n, :, :used]
+            grown[:, :n, :, used:] = 0
             setattr(self, name, grown)
 
     def forward(self, model, tables: Sequence[PageTable], tokens: torch.Tensor,

@@ -257,12 +257,19 @@ def test_pool_for_model_follows_model_dtype():
     torch.testing.assert_close(got, m(ids[None]).logits[0, -1])
 
 
-def test_working_kv_decode_equals_gathering_from_the_pool(model):
+@pytest.mark.parametrize("fresh", ["as allocated", "NaN"])
+def test_working_kv_decode_equals_gathering_from_the_pool(model, monkeypatch, fresh):
     """Decode steps through WorkingKV give the gathering path's logits while requests of
     different lengths join and leave, its rows always equal the pool at their slots, and a
-    table re-pointed under it (or with a bad K/V slot) is read again from the pool."""
+    table re-pointed under it (or with a bad K/V slot) is read again from the pool. Memory
+    it grows into is not cleared as a whole: filled with NaN, nothing changes, since no
+    position attention reads is left unwritten."""
     from minirt.forward import WorkingKV
 
+    if fresh == "NaN":
+        empty = torch.Tensor.new_empty
+        monkeypatch.setattr(torch.Tensor, "new_empty",
+                            lambda self, *size, **kw: empty(self, *size, **kw).fill_(float("nan")))
     torch.manual_seed(4)
     pool = KVPool.for_model(model, 256)
     working = WorkingKV(pool, grow=4)

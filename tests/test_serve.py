@@ -346,10 +346,13 @@ def test_disconnect_cancels_a_whole_answer_request_whatever_the_token_rate(tiny_
     """A non-stream client that hangs up is cancelled within a few tokens, as a stream is,
     though tokens keep flowing (it used to run on to max_tokens and count as finished)."""
     base, worker = tiny_server
-    before = dict(worker.counters)
     body = {"prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()  # how long the whole answer takes here: hang up at a fifth
+    assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+    hang_up = (time.perf_counter() - start) / 5
+    before = dict(worker.counters)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=hang_up))
     at_hang_up = worker.counters["generation_tokens"]
     deadline = time.monotonic() + 60
     while worker.counters["cancelled"] == before["cancelled"] and time.monotonic() < deadline:
