@@ -759,7 +759,8 @@ class WorkingKV:
         past the end moves into a dropped row's place, and only its used positions are
         copied, so a request leaving costs one row's copy, not the whole buffer's."""
         n = len(keep)
-        holes = [r for r in range(n) if r not in set(keep)]
+        kept = set(keep)
+        holes = [r for r in range(n) if r not in kept]
         movers = [r for r in keep if r >= n]
         if movers:
             used = max(self.slots[r].numel() for r in movers) - self.shared
