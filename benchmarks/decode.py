@@ -31,27 +31,13 @@ import statistics
 import time
 
 import torch
-from _setup import timing_model
+from _setup import print_split, timing_model
 
 from minirt.engine import Engine, Request
 from minirt.forward import WorkingKV
 from minirt.model import ATTENTION, load_model
 
 OWN = 16  # tokens of each prompt that differ between requests
-
-GROUPS = {
-    "linear layers (GEMMs)": ("aten::mm", "aten::addmm", "aten::linear",
-                              "mkldnn::_linear_pointwise"),
-    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                  "aten::_scaled_dot_product_attention_math",
-                  "aten::_scaled_dot_product_efficient_attention",
-                  "aten::_scaled_dot_product_flash_attention",
-                  "aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax",
-                  "aten::exp", "aten::amax", "aten::maximum", "aten::masked_fill"),
-    "K/V traffic (gather, write, append)": ("aten::index_select", "aten::index",
-                                            "aten::index_copy_", "aten::index_put_",
-                                            "aten::cat", "aten::_index_put_impl_"),
-}
 
 
 def batch_engine(model, batch: int, context: int, steps: int, seed: int = 0) -> Engine:
@@ -100,24 +86,9 @@ def profile_split(model, batch: int, context: int, steps: int) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step_times(engine, steps)
     wall = (time.perf_counter() - start) / steps
-    events = prof.key_averages()
-    in_ops = sum(e.self_cpu_time_total for e in events) / 1e6 / steps
     print(f"\n2. One decode step at B={batch}, context {context}: {wall * 1e3:.1f} ms under the "
           f"profiler (mean of {steps})")
-    shown = 0.0
-    for label, names in GROUPS.items():
-        t = sum(e.self_cpu_time_total for e in events if e.key in names) / 1e6 / steps
-        calls = sum(e.count for e in events if e.key in names) / steps
-        shown += t
-        print(f"   {label:<40} {t * 1e3:7.1f} ms {100 * t / wall:5.1f}%  "
-              f"({calls:.0f} calls per step)")
-    print(f"   {'other ops (norms, RoPE, copies, ...)':<40} {(in_ops - shown) * 1e3:7.1f} ms "
-          f"{100 * (in_ops - shown) / wall:5.1f}%")
-    print(f"   {'outside ops (Python, framework)':<40} {(wall - in_ops) * 1e3:7.1f} ms "
-          f"{100 * (wall - in_ops) / wall:5.1f}%")
-    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
-    print("   top ops by self time: " + ", ".join(
-        f"{e.key} {e.self_cpu_time_total / 1e3 / steps:.1f} ms" for e in top))
+    print_split(prof.key_averages(), wall, steps)
 
 
 class NoSharedPrefix(WorkingKV):

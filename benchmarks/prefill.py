@@ -2,6 +2,7 @@
 
     python benchmarks/prefill.py                # medians of 3
     python benchmarks/prefill.py --repeats 5 --threads 2
+    python benchmarks/prefill.py --vllm         # and vLLM's on the two serve_bench prefills
 
 A burst shaped like ``benchmarks/vs_vllm.py``'s, on random token ids: 16 requests, a
 500-token shared prefix and 50 tokens of their own each, pages of 128. The first request
@@ -18,6 +19,15 @@ second step is timed:
 Each way runs on its own engine, the engines stepped in turn; the first tokens of all 16
 must agree across the three.
 
+Then the profiler's split of the two prefills ``benchmarks/serve_bench.py`` sends one at a
+time at concurrency 1: a 576-token prompt with nothing cached (``random``) and 64 new
+tokens behind a cached 512-token prefix (``prefix_repetition``). Per prefill: the median
+step time, and the GEMMs', attention's and the rest's time, with the rate the GEMMs and
+attention reach (FLOP counted from the model's shapes), which says which kernel bounds
+a prefill. ``--vllm`` then runs the same two through vLLM's offline ``LLM`` (in
+``.venv-vllm``, ``benchmarks/vllm_prefill.py``) and prints both side by side: wall time,
+GEMMs and attention, minirt/vLLM.
+
 Timings on a shared machine are noisy: run it on a quiet one; the load average is printed.
 """
 
@@ -30,7 +40,7 @@ import time
 from unittest import mock
 
 import torch
-from _setup import timing_model
+from _setup import print_split, timing_model
 
 from minirt.engine import Engine, Request
 
@@ -62,10 +72,106 @@ def second_step(engine: Engine, prompts: list[list[int]], direct: bool) -> tuple
     return seconds, [h.output_ids[0] for h in handles]
 
 
+def prefill_flops(model, new: int, cached: int) -> dict[str, float]:
+    """FLOP of one request's prefill of ``new`` tokens behind ``cached``: the GEMMs (every
+    layer's projections for every new token, the output head for the last) and attention
+    (q.k and p.v for every key each new token sees)."""
+    c = model.config
+    layer = sum(m.weight.numel() for m in model.model.layers[0].modules()
+                if isinstance(m, torch.nn.Linear))
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    keys_seen = new * cached + new * (new + 1) // 2
+    return {"linear layers (GEMMs)": 2.0 * (new * layer * c.num_hidden_layers
+                                            + model.lm_head.weight.numel()),
+            "attention": 4.0 * c.num_hidden_layers * c.num_attention_heads * head_dim
+            * keys_seen}
+
+
+def timed_prefill(engine: Engine, prompt: list[int], cached: int) -> float:
+    """Seconds of the step that prefills ``prompt`` (the cache emptied first when nothing
+    should be cached); checks that ``cached`` of its tokens came from the tree."""
+    if not cached:
+        engine.flush()
+    engine.submit(Request(prompt=prompt, max_new_tokens=1, stop_on_eos=False))
+    start = time.perf_counter()
+    out = engine.step()
+    seconds = time.perf_counter() - start
+    assert out.admitted[0].cached_tokens == cached, "the prefix was not cached"
+    return seconds
+
+
+def profile_prefills(model, repeats: int) -> dict[str, dict[str, float]]:
+    """serve_bench's two prefills at concurrency 1, each timed alone, then profiled;
+    returns each one's seconds: median wall, GEMMs and attention under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(3)
+    engine = Engine(model, capacity=8192, page_size=1)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(1000, model.config.vocab_size, (n,), generator=gen).tolist()
+
+    prefix, result = tokens(512), {}
+    cases = {"576 tokens, nothing cached": (lambda: tokens(576), 576, 0),
+             "64 tokens behind 512 cached": (lambda: prefix + tokens(64), 64, 512)}
+    for name, (prompt, new, cached) in cases.items():
+        if cached:  # the prefix goes into the tree once
+            engine.generate([Request(prompt=prefix, max_new_tokens=1, stop_on_eos=False)],
+                            progress=False)
+        timed_prefill(engine, prompt(), cached)  # warm-up
+        wall = statistics.median(timed_prefill(engine, prompt(), cached)
+                                 for _ in range(repeats))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            profiled = sum(timed_prefill(engine, prompt(), cached)
+                           for _ in range(repeats)) / repeats
+        print(f"\nOne prefill, {name}: {wall * 1e3:.1f} ms (median of {repeats}; "
+              f"{profiled * 1e3:.1f} ms under the profiler)")
+        split = print_split(prof.key_averages(), profiled, repeats,
+                            prefill_flops(model, new, cached))
+        result[name] = {"wall": wall, "gemm": split["linear layers (GEMMs)"],
+                        "attention": split["attention"]}
+    return result
+
+
+def vllm_side_by_side(mine: dict[str, dict[str, float]], repeats: int) -> None:
+    """The same two prefills through vLLM's offline ``LLM`` (``vllm_prefill.py``, in
+    ``.venv-vllm``), run after minirt's; a table of both and minirt/vLLM."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from minirt.model import fetch_default_model
+
+    here = Path(__file__).resolve().parent
+    python = here.parent / ".venv-vllm" / "bin" / "python"
+    if not python.exists():
+        sys.exit(f"{python} is missing: `make peer-vllm` builds .venv-vllm")
+    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    done = subprocess.run([str(python), str(here / "vllm_prefill.py"),
+                           str(fetch_default_model()), str(out), str(repeats)],
+                          capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if done.returncode != 0:
+        sys.exit(f"vllm_prefill.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    theirs = json.loads(out.read_text())
+    print(f"\nThe same prefills through vLLM's LLM.generate, run after minirt's (median of "
+          f"{repeats}; GEMMs and attention under the profiler, ms):")
+    print(f"   {'prefill':<30} {'part':<10} {'vLLM':>8} {'minirt':>8} {'minirt/vLLM':>12}")
+    for name, m in mine.items():
+        for part in ("wall", "gemm", "attention"):
+            v = theirs[name][part]
+            print(f"   {name:<30} {part:<10} {v * 1e3:8.1f} {m[part] * 1e3:8.1f} "
+                  f"{m[part] / v:12.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--vllm", action="store_true",
+                   help="also the two prefills through vLLM (needs .venv-vllm)")
     args = p.parse_args()
     model = timing_model(args.threads)
     ways = {  # name: (llama_forward, the common run computed once)
@@ -95,8 +201,11 @@ def main() -> None:
         m = statistics.median(t)
         print(f"   {name:<48} {m:6.2f} s  {m / base:5.2f}x")
     print(f"   the same first tokens all ways: {len(firsts) == 1}")
-    print(f"\nload average now {os.getloadavg()[0]:.2f}")
     assert len(firsts) == 1, "the three ways disagree on a first token"
+    mine = profile_prefills(model, args.repeats)
+    if args.vllm:
+        vllm_side_by_side(mine, args.repeats)
+    print(f"\nload average now {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ GiB, in vLLM's blocks of 128).
 
 Per dataset and concurrency (medians over ``--reps``): duration, output tokens/s, median
 and P99 TTFT, median TPOT, minirt/vLLM for each, and the prompt tokens each server says
-its prefix cache supplied (``/metrics``). The script exits 1 if any request failed, or
-if the two servers' greedy texts differ for a prompt other than at a near tie: where
-they differ, the plain transformers model (fp32, no cache) decodes the prompt greedily,
-and the first token at which a server leaves that reference must be one where the
-reference's two best logits lie within ``TIE`` (different fp32 kernels round
-differently, and a near tie can go either way); anywhere else it is a bug.
+its prefix cache supplied (``/metrics``). Where the two servers' greedy texts differ,
+the plain transformers model (fp32, no cache) decodes the prompt greedily, and the first
+token at which a server leaves that reference must be one where the reference's two best
+logits lie within ``TIE`` (different fp32 kernels round differently, and a near tie can
+go either way); anywhere else it is a bug. The script exits 1 if any request failed or
+if minirt leaves the reference other than at a near tie; where vLLM alone does, the
+prompt is reported (PEER) and counted, not failed: minirt is what is under test.
 """
 
 from __future__ import annotations
@@ -175,10 +176,12 @@ def differing(results: list[dict], servers: tuple[str, str]) -> list[dict]:
     return out
 
 
-def near_ties(cases: list[dict], model_path: str, output_len: int = OUTPUT_LEN) -> list[str]:
+def near_ties(cases: list[dict], model_path: str, judged: str = "minirt",
+              output_len: int = OUTPUT_LEN) -> list[str]:
     """Check each differing text against the plain model's greedy decode of its prompt:
-    a line per case, prefixed "FAIL" unless every server leaves the reference (if it does)
-    at a step whose two best reference logits lie within ``TIE``."""
+    a line per case, prefixed "FAIL" if server ``judged`` leaves the reference at a step
+    whose two best reference logits lie further apart than ``TIE``, or "PEER" if only the
+    other server does (reported, as the peer's departure, not a failure of minirt's)."""
     if not cases:
         return []
     import torch
@@ -197,17 +200,19 @@ def near_ties(cases: list[dict], model_path: str, output_len: int = OUTPUT_LEN) 
                 ref.append(int(top.indices[0]))
                 gaps.append(float(top.values[0] - top.values[1]))
                 ids = top.indices[:1].view(1, 1)
-        parts, ok = [], True
+        parts, far = [], set()
         for server, text in case["texts"].items():
             step = next((k for k in range(output_len) if not text.startswith(
                 tok.decode(ref[:k + 1], skip_special_tokens=True).rstrip("\ufffd"))), None)
             if step is None:
                 parts.append(f"{server} = reference")
                 continue
-            ok &= gaps[step] <= TIE
+            if gaps[step] > TIE:
+                far.add(server)
             parts.append(f"{server} leaves it at token {step}, where the reference's two "
                          f"best logits differ by {gaps[step]:.4f}")
-        lines.append(f"{'' if ok else 'FAIL '}{case['run']}: {'; '.join(parts)}")
+        tag = "FAIL " if judged in far else "PEER " if far else ""
+        lines.append(f"{tag}{case['run']}: {'; '.join(parts)}")
     return lines
 
 
@@ -267,15 +272,20 @@ def run(reps: int = 3, num_prompts: int = 32, concurrencies: tuple[int, ...] = (
     print(f"greedy texts: the same for {total - len(cases)} of {total} prompts" +
           (f"; where they differ, against the plain model's greedy decode (TIE = {TIE}):"
            if cases else ""))
-    for line in near_ties(cases, model_path):
+    lines = near_ties(cases, model_path)
+    for line in lines:
         print("  " + line)
         if line.startswith("FAIL"):
             problems.append(line)
+    peer = sum(line.startswith("PEER") for line in lines)
+    if peer:
+        print(f"  {peer} prompt(s) where vLLM alone leaves the plain model's greedy decode "
+              "at a step that is no near tie (PEER): vLLM's departure, shown, not failed")
     if problems:
         print("FAIL:\n  " + "\n  ".join(problems))
         return False
-    print(f"all {len(results) * num_prompts} requests succeeded; both servers gave the same "
-          "greedy text for every prompt but at near ties")
+    print(f"all {len(results) * num_prompts} requests succeeded; minirt's greedy text is the "
+          "plain model's, or vLLM's, for every prompt but at near ties")
     return True
 
 
