@@ -22,9 +22,10 @@ its prefix cache supplied (``/metrics``). Where the two servers' greedy texts di
 the plain transformers model (fp32, no cache) decodes the prompt greedily, and the first
 token at which a server leaves that reference must be one where the reference's two best
 logits lie within ``TIE`` (different fp32 kernels round differently, and a near tie can
-go either way); anywhere else it is a bug. The script exits 1 if any request failed or
-if minirt leaves the reference other than at a near tie; where vLLM alone does, the
-prompt is reported (PEER) and counted, not failed: minirt is what is under test.
+go either way); anywhere else it is a bug, and the script exits 1, as it does if a
+request failed. vLLM's text for a prompt whose own text ends in U+FFFD begins with that
+prompt's text (vllm-project/vllm#48853, open; `random` draws such prompts): the check
+compares what follows it, and says so.
 """
 
 from __future__ import annotations
@@ -176,12 +177,11 @@ def differing(results: list[dict], servers: tuple[str, str]) -> list[dict]:
     return out
 
 
-def near_ties(cases: list[dict], model_path: str, judged: str = "minirt",
-              output_len: int = OUTPUT_LEN) -> list[str]:
+def near_ties(cases: list[dict], model_path: str, output_len: int = OUTPUT_LEN) -> list[str]:
     """Check each differing text against the plain model's greedy decode of its prompt:
-    a line per case, prefixed "FAIL" if server ``judged`` leaves the reference at a step
-    whose two best reference logits lie further apart than ``TIE``, or "PEER" if only the
-    other server does (reported, as the peer's departure, not a failure of minirt's)."""
+    a line per case, prefixed "FAIL" unless every server leaves the reference (if it does)
+    at a step whose two best reference logits lie within ``TIE``. A text that begins with
+    its prompt's own text is compared after it, and said so."""
     if not cases:
         return []
     import torch
@@ -191,7 +191,8 @@ def near_ties(cases: list[dict], model_path: str, judged: str = "minirt",
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     lines = []
     for case in cases:
-        ids, past = torch.tensor([tok(case["prompt"])["input_ids"]]), None
+        prompt_ids = tok(case["prompt"])["input_ids"]
+        ids, past = torch.tensor([prompt_ids]), None
         ref, gaps = [], []
         with torch.no_grad():  # transformers' own forward and KV cache: neither server's code
             for _ in range(output_len):
@@ -200,19 +201,27 @@ def near_ties(cases: list[dict], model_path: str, judged: str = "minirt",
                 ref.append(int(top.indices[0]))
                 gaps.append(float(top.values[0] - top.values[1]))
                 ids = top.indices[:1].view(1, 1)
-        parts, far = [], set()
+        parts, ok = [], True
+        echo = tok.decode(prompt_ids, skip_special_tokens=True)
         for server, text in case["texts"].items():
+            name = server
+            if echo.endswith("\ufffd") and text.startswith(echo):
+                # vLLM primes a tokenizers DecodeStream with the prompt's ids (vllm 0.32.0
+                # `v1/engine/detokenizer.py: FastIncrementalDetokenizer`); when the decoded
+                # prompt ends in U+FFFD the first token's text carries the whole prompt's
+                # (vllm-project/vllm#48853, open). The tokens after it are what is compared.
+                text = text[len(echo):]
+                name = (f"{server}'s text begins with the prompt's own (the prompt ends in "
+                        f"U+FFFD: vllm-project/vllm#48853); after it, {server}")
             step = next((k for k in range(output_len) if not text.startswith(
                 tok.decode(ref[:k + 1], skip_special_tokens=True).rstrip("\ufffd"))), None)
             if step is None:
-                parts.append(f"{server} = reference")
+                parts.append(f"{name} = reference")
                 continue
-            if gaps[step] > TIE:
-                far.add(server)
-            parts.append(f"{server} leaves it at token {step}, where the reference's two "
+            ok &= gaps[step] <= TIE
+            parts.append(f"{name} leaves it at token {step}, where the reference's two "
                          f"best logits differ by {gaps[step]:.4f}")
-        tag = "FAIL " if judged in far else "PEER " if far else ""
-        lines.append(f"{tag}{case['run']}: {'; '.join(parts)}")
+        lines.append(f"{'' if ok else 'FAIL '}{case['run']}: {'; '.join(parts)}")
     return lines
 
 
@@ -272,20 +281,15 @@ def run(reps: int = 3, num_prompts: int = 32, concurrencies: tuple[int, ...] = (
     print(f"greedy texts: the same for {total - len(cases)} of {total} prompts" +
           (f"; where they differ, against the plain model's greedy decode (TIE = {TIE}):"
            if cases else ""))
-    lines = near_ties(cases, model_path)
-    for line in lines:
+    for line in near_ties(cases, model_path):
         print("  " + line)
         if line.startswith("FAIL"):
             problems.append(line)
-    peer = sum(line.startswith("PEER") for line in lines)
-    if peer:
-        print(f"  {peer} prompt(s) where vLLM alone leaves the plain model's greedy decode "
-              "at a step that is no near tie (PEER): vLLM's departure, shown, not failed")
     if problems:
         print("FAIL:\n  " + "\n  ".join(problems))
         return False
-    print(f"all {len(results) * num_prompts} requests succeeded; minirt's greedy text is the "
-          "plain model's, or vLLM's, for every prompt but at near ties")
+    print(f"all {len(results) * num_prompts} requests succeeded; both servers gave the same "
+          "greedy tokens for every prompt but at near ties")
     return True
 
 
