@@ -24,7 +24,7 @@ time at concurrency 1: a 576-token prompt with nothing cached (``random``) and 6
 tokens behind a cached 512-token prefix (``prefix_repetition``). Per prefill: the median
 step time, and the GEMMs', attention's and the rest's time, with the rate the GEMMs and
 attention reach (FLOP counted from the model's shapes), which says which kernel bounds
-a prefill. ``--vllm`` then runs the same two through vLLM's offline ``LLM`` (in
+a prefill. ``--vllm`` then runs the same prompts through vLLM's offline ``LLM`` (in
 ``.venv-vllm``, ``benchmarks/vllm_prefill.py``) and prints both side by side: wall time,
 GEMMs and attention, minirt/vLLM.
 
@@ -100,41 +100,51 @@ def timed_prefill(engine: Engine, prompt: list[int], cached: int) -> float:
     return seconds
 
 
-def profile_prefills(model, repeats: int) -> dict[str, dict[str, float]]:
-    """serve_bench's two prefills at concurrency 1, each timed alone, then profiled;
-    returns each one's seconds: median wall, GEMMs and attention under the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
+def serve_bench_prefills(vocab: int, repeats: int) -> dict:
+    """serve_bench's two prefills at concurrency 1, drawn once for both engines: a shared
+    prefix and, per case, its cached length and ``1 + 2 * repeats`` prompts (a warm-up,
+    the timed ones, the profiled ones)."""
     gen = torch.Generator().manual_seed(3)
-    engine = Engine(model, capacity=8192, page_size=1)
 
     def tokens(n: int) -> list[int]:
-        return torch.randint(1000, model.config.vocab_size, (n,), generator=gen).tolist()
+        return torch.randint(1000, vocab, (n,), generator=gen).tolist()
 
-    prefix, result = tokens(512), {}
-    cases = {"576 tokens, nothing cached": (lambda: tokens(576), 576, 0),
-             "64 tokens behind 512 cached": (lambda: prefix + tokens(64), 64, 512)}
-    for name, (prompt, new, cached) in cases.items():
+    prefix, runs = tokens(512), 1 + 2 * repeats
+    return {"prefix": prefix, "cases": {
+        "576 tokens, nothing cached": {"new": 576, "cached": 0,
+                                       "prompts": [tokens(576) for _ in range(runs)]},
+        "64 tokens behind 512 cached": {"new": 64, "cached": 512,
+                                        "prompts": [prefix + tokens(64) for _ in range(runs)]}}}
+
+
+def profile_prefills(model, spec: dict, repeats: int) -> dict[str, dict[str, float]]:
+    """The spec's prefills on minirt's engine, each timed alone, then profiled; returns
+    each one's seconds: median wall, GEMMs and attention under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, result = Engine(model, capacity=8192, page_size=1), {}
+    for name, case in spec["cases"].items():
+        cached, prompts = case["cached"], iter(case["prompts"])
         if cached:  # the prefix goes into the tree once
-            engine.generate([Request(prompt=prefix, max_new_tokens=1, stop_on_eos=False)],
-                            progress=False)
-        timed_prefill(engine, prompt(), cached)  # warm-up
-        wall = statistics.median(timed_prefill(engine, prompt(), cached)
+            engine.generate([Request(prompt=spec["prefix"], max_new_tokens=1,
+                                     stop_on_eos=False)], progress=False)
+        timed_prefill(engine, next(prompts), cached)  # warm-up
+        wall = statistics.median(timed_prefill(engine, next(prompts), cached)
                                  for _ in range(repeats))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            profiled = sum(timed_prefill(engine, prompt(), cached)
+            profiled = sum(timed_prefill(engine, next(prompts), cached)
                            for _ in range(repeats)) / repeats
         print(f"\nOne prefill, {name}: {wall * 1e3:.1f} ms (median of {repeats}; "
               f"{profiled * 1e3:.1f} ms under the profiler)")
         split = print_split(prof.key_averages(), profiled, repeats,
-                            prefill_flops(model, new, cached))
+                            prefill_flops(model, case["new"], cached))
         result[name] = {"wall": wall, "gemm": split["linear layers (GEMMs)"],
                         "attention": split["attention"]}
     return result
 
 
-def vllm_side_by_side(mine: dict[str, dict[str, float]], repeats: int) -> None:
-    """The same two prefills through vLLM's offline ``LLM`` (``vllm_prefill.py``, in
+def vllm_side_by_side(mine: dict[str, dict[str, float]], spec: dict, repeats: int) -> None:
+    """The same prompts through vLLM's offline ``LLM`` (``vllm_prefill.py``, in
     ``.venv-vllm``), run after minirt's; a table of both and minirt/vLLM."""
     import json
     import subprocess
@@ -142,17 +152,18 @@ def vllm_side_by_side(mine: dict[str, dict[str, float]], repeats: int) -> None:
     import tempfile
     from pathlib import Path
 
+    from vs_vllm import VLLM_ENV, VLLM_PYTHON
+
     from minirt.model import fetch_default_model
 
-    here = Path(__file__).resolve().parent
-    python = here.parent / ".venv-vllm" / "bin" / "python"
-    if not python.exists():
-        sys.exit(f"{python} is missing: `make peer-vllm` builds .venv-vllm")
-    out = Path(tempfile.mkstemp(suffix=".json")[1])
-    done = subprocess.run([str(python), str(here / "vllm_prefill.py"),
-                           str(fetch_default_model()), str(out), str(repeats)],
-                          capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if not VLLM_PYTHON.exists():
+        sys.exit(f"{VLLM_PYTHON} is missing: `make peer-vllm` builds .venv-vllm")
+    spec_file, out = (Path(tempfile.mkstemp(suffix=".json")[1]) for _ in range(2))
+    spec_file.write_text(json.dumps({**spec, "model_path": str(fetch_default_model()),
+                                     "repeats": repeats}))
+    done = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_prefill.py")),
+                           str(spec_file), str(out)], capture_output=True, text=True,
+                          env={**os.environ, **VLLM_ENV})
     if done.returncode != 0:
         sys.exit(f"vllm_prefill.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
     theirs = json.loads(out.read_text())
@@ -202,9 +213,10 @@ def main() -> None:
         print(f"   {name:<48} {m:6.2f} s  {m / base:5.2f}x")
     print(f"   the same first tokens all ways: {len(firsts) == 1}")
     assert len(firsts) == 1, "the three ways disagree on a first token"
-    mine = profile_prefills(model, args.repeats)
+    spec = serve_bench_prefills(model.config.vocab_size, args.repeats)
+    mine = profile_prefills(model, spec, args.repeats)
     if args.vllm:
-        vllm_side_by_side(mine, args.repeats)
+        vllm_side_by_side(mine, spec, args.repeats)
     print(f"\nload average now {os.getloadavg()[0]:.2f}")
 
 
