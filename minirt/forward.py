@@ -27,9 +27,9 @@ from .errors import ModelError, PoolError
 from .model import _GATE_UP, _QKV, _projections
 from .pool import KVPool, PagedBatch, PageTable, PoolCache, as_index_tensor
 
-__all__ = ["CHUNK", "MIN_ROWS", "QUERY_BLOCK", "LayerKV", "PrefillPlan", "WorkingKV",
-           "aligned_attention", "attention_lse", "forward_paged", "forward_windowed", "is_llama",
-           "llama_forward", "shared_prefix_attention"]
+__all__ = ["CHUNK", "MIN_ROWS", "QUERY_BLOCK", "LayerKV", "PrefillPart", "PrefillPlan",
+           "WorkingKV", "aligned_attention", "attention_lse", "forward_paged", "forward_windowed",
+           "is_llama", "llama_forward", "shared_prefix_attention"]
 
 # ---------------------------------------------------------------------------
 # A Llama forward without transformers' cache object, mask or per-layer dispatch.
@@ -367,6 +367,23 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
 
 
 @dataclass
+class PrefillPart:
+    """Requests of a ``PrefillPlan`` with the same number of own tokens, on consecutive rows
+    from ``start`` (``len(requests) * length`` of them): one attention call for them all.
+
+    ``own_slots`` ``[len(requests), keys]``: each request's keys past the shared prefix,
+    gathered from the pool and seen through ``mask`` ``[len(requests), 1, length, keys]``
+    (additive; the shorter ones left-padded); None: those keys are the part's own new K/V
+    themselves, seen causally."""
+
+    requests: list[int]
+    start: int
+    length: int
+    own_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
 class PrefillPlan:
     """How a Llama prefills a batch through the pool (``forward_paged``, last positions only):
     which keys are read once for all, which new tokens are computed once, what each row is.
@@ -376,35 +393,26 @@ class PrefillPlan:
     the requests in ``group`` (those starting right after the shared prefix) all begin
     with, a prompt prefix in flight and shorter than a page, so not in the tree: computed
     once, on rows of their own, their K/V written into each of those requests' slots.
-    ``own``: the tokens each request computes itself, left-padded to the longest. The
-    forward's rows are the common run, then each request's own tokens: ``rows`` of them.
+    ``own``: the tokens each request computes itself. The forward's rows are the common
+    run, then every request's own tokens, back to back with no padding, requests of the
+    same ``own`` length next to each other: each ``PrefillPart`` is one attention call.
     """
 
     shared: int
     common: int
     group: list[int]
     own: list[int]
-    input_ids: torch.Tensor   # [rows] token of every row (padding: 0)
+    parts: list[PrefillPart]
+    input_ids: torch.Tensor   # [rows] token of every row
     positions: torch.Tensor   # [rows] its position in its request
     new_slots: torch.Tensor   # slots receiving new K/V: the run's once per group request,
     source: torch.Tensor      # and the row each one's K/V comes from
     prefix: torch.Tensor      # [shared] the slots read once
-    own_slots: torch.Tensor | None  # [b, keys] each request's keys past the prefix, from
-    mask: torch.Tensor | None       # the pool, seen through this [b, 1, width, keys] additive
-                                    # mask; None: the own tokens' new K/V, causally
+    last: torch.Tensor        # [b] the row of each request's last token (its logits)
 
     @property
     def rows(self) -> int:
         return int(self.input_ids.numel())
-
-    @property
-    def width(self) -> int:
-        return max(self.own)
-
-    @property
-    def last(self) -> torch.Tensor:
-        """The row of each request's last token, whose logits the forward returns."""
-        return self.common + torch.arange(1, len(self.own) + 1) * self.width - 1
 
     @classmethod
     def build(cls, tables: Sequence[PageTable], ids: Sequence[torch.Tensor],
@@ -420,37 +428,42 @@ class PrefillPlan:
         if not common:
             group = []
         own = [n - common * (r in group) for r, n in enumerate(num_new)]
-        m = max(own)
-        input_ids = torch.zeros(common + b * m, dtype=torch.int64)
-        positions = torch.zeros(common + b * m, dtype=torch.int64)
-        if common:
-            input_ids[:common] = ids[group[0]][:common]
-            positions[:common] = torch.arange(shared, shared + common)
-        own_ids, own_pos = input_ids[common:].view(b, m), positions[common:].view(b, m)
-        real = torch.arange(m) >= m - torch.tensor(own)[:, None]
-        for r, (t, x) in enumerate(zip(tables, ids, strict=True)):
-            own_ids[r, m - own[r]:] = x[x.numel() - own[r]:]
-            own_pos[r, m - own[r]:] = torch.arange(len(t) - own[r], len(t))
+        lengths = list(dict.fromkeys(own))  # the parts, in order of first appearance
+        members = [[r for r in range(b) if own[r] == m] for m in lengths]
+        order = [r for rs in members for r in rs]  # requests in row order
+        run = [ids[group[0]][:common]] if common else []
+        input_ids = torch.cat(run + [ids[r][num_new[r] - own[r]:] for r in order])
+        positions = torch.cat([torch.arange(shared, shared + common)]
+                              + [torch.arange(len(tables[r]) - own[r], len(tables[r]))
+                                 for r in order])
         new_slots = torch.cat([tables[r].slots[shared:shared + common] for r in group]
-                              + [t.slots[len(t) - n:] for t, n in zip(tables, own, strict=True)])
+                              + [tables[r].slots[len(tables[r]) - own[r]:] for r in order])
         source = torch.cat([torch.arange(common).repeat(len(group)),
-                            common + real.view(-1).nonzero()[:, 0]])
-        own_slots = mask = None
-        if common or any(s != shared for s in starts) or len(set(own)) > 1:
-            # Keys past the prefix come from the pool, left-padded; who sees which.
-            longest = max(len(t) for t in tables)
-            width = longest - shared
-            own_slots = torch.zeros(b, width, dtype=torch.int64)
-            key_pos = torch.full((b, width), -1, dtype=torch.int64)
-            for r, t in enumerate(tables):
-                own_slots[r, width - len(t) + shared:] = t.slots[shared:]
-                key_pos[r, width - len(t) + shared:] = torch.arange(shared, len(t))
-            query_pos = torch.where(real, own_pos, longest)  # a padding row sees every key
-            sees = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= query_pos[:, :, None])
-            mask = torch.zeros(b, 1, m, width, dtype=dtype).masked_fill_(~sees[:, None],
-                                                                        float("-inf"))
-        return cls(shared, common, group, own, input_ids, positions, new_slots, source,
-                   tables[0].slots[:shared], own_slots, mask)
+                            torch.arange(common, common + sum(own))])
+        parts, last, start = [], torch.zeros(b, dtype=torch.int64), common
+        for m, rs in zip(lengths, members, strict=True):
+            for i, r in enumerate(rs):
+                last[r] = start + (i + 1) * m - 1
+            own_slots = mask = None
+            if any(starts[r] != shared or r in group for r in rs):
+                # Keys past the prefix come from the pool, left-padded; who sees which.
+                longest = max(len(tables[r]) for r in rs)
+                width = longest - shared
+                own_slots = torch.zeros(len(rs), width, dtype=torch.int64)
+                key_pos = torch.full((len(rs), width), -1, dtype=torch.int64)
+                for i, r in enumerate(rs):
+                    t = tables[r]
+                    own_slots[i, width - len(t) + shared:] = t.slots[shared:]
+                    key_pos[i, width - len(t) + shared:] = torch.arange(shared, len(t))
+                query_pos = torch.stack([torch.arange(len(tables[r]) - m, len(tables[r]))
+                                         for r in rs])
+                sees = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= query_pos[:, :, None])
+                mask = torch.zeros(len(rs), 1, m, width, dtype=dtype).masked_fill_(
+                    ~sees[:, None], float("-inf"))
+            parts.append(PrefillPart(rs, start, m, own_slots, mask))
+            start += len(rs) * m
+        return cls(shared, common, group, own, parts, input_ids, positions, new_slots, source,
+                   tables[0].slots[:shared], last)
 
 
 def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
@@ -460,16 +473,17 @@ def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
 
     Each layer writes the new K/V to the pool first (the common run's into every one of its
     requests' slots), then the run attends to the prefix and causally to itself, and each
-    request's own tokens attend to the prefix and to their own keys: the new K/V themselves
+    part's requests attend to the prefix and to their own keys: the new K/V themselves
     when nothing else lies past the prefix, else gathered from the pool behind the mask.
     """
-    device, b = pool.device, len(tables)
+    device = pool.device
     plan = PrefillPlan.build(tables, ids, pool.dtype, share_runs)
-    common, m = plan.common, plan.width
+    common = plan.common
     new_slots, source, prefix = (plan.new_slots.to(device), plan.source.to(device),
                                  plan.prefix.to(device))
-    own = None if plan.own_slots is None else plan.own_slots.view(-1).to(device)
-    mask = None if plan.mask is None else plan.mask.to(device)
+    parts = [(len(p.requests), p.start, p.length,
+              None if p.own_slots is None else p.own_slots.view(-1).to(device),
+              None if p.mask is None else p.mask.to(device)) for p in plan.parts]
     kv_heads, head_dim = pool.kv_heads, pool.head_dim
 
     def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
@@ -483,17 +497,20 @@ def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
         if common:
             out.append(shared_prefix_attention(q[:, :, :common], pk, pv, k[:, :, :common],
                                                v[:, :, :common], None, scale, causal=True))
-        qo = q[0, :, common:].reshape(heads, b, m, head_dim).transpose(0, 1)
-        if own is None:
-            ko = k[0, :, common:].reshape(kv_heads, b, m, head_dim).transpose(0, 1)
-            vo = v[0, :, common:].reshape(kv_heads, b, m, head_dim).transpose(0, 1)
-        else:
-            ko = pool.k[layer].index_select(0, own).view(b, -1, kv_heads, head_dim)
-            vo = pool.v[layer].index_select(0, own).view(b, -1, kv_heads, head_dim)
-            ko, vo = ko.transpose(1, 2), vo.transpose(1, 2)
-        out.append(shared_prefix_attention(qo, pk, pv, ko, vo, mask, scale, causal=own is None))
+        for n, lo, m, own, mask in parts:
+            hi = lo + n * m
+            qo = q[0, :, lo:hi].reshape(heads, n, m, head_dim).transpose(0, 1)
+            if own is None:
+                ko = k[0, :, lo:hi].reshape(kv_heads, n, m, head_dim).transpose(0, 1)
+                vo = v[0, :, lo:hi].reshape(kv_heads, n, m, head_dim).transpose(0, 1)
+            else:
+                ko = pool.k[layer].index_select(0, own).view(n, -1, kv_heads, head_dim)
+                vo = pool.v[layer].index_select(0, own).view(n, -1, kv_heads, head_dim)
+                ko, vo = ko.transpose(1, 2), vo.transpose(1, 2)
+            out.append(shared_prefix_attention(qo, pk, pv, ko, vo, mask, scale,
+                                               causal=own is None))
         out = [o.reshape(1, -1, heads * head_dim) for o in out]
-        return torch.cat(out, 1) if common else out[0]
+        return torch.cat(out, 1) if len(out) > 1 else out[0]
 
     return llama_forward(model, plan.input_ids.view(1, -1).to(device),
                          plan.positions.view(1, -1).to(device), attend, plan.last.to(device))

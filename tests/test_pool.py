@@ -221,7 +221,8 @@ def test_batched_prefill_matches_the_model_for_any_ragged_batch(model, prefix_le
 def test_prefill_plan_reads_the_prefix_once_and_computes_a_common_run_once():
     """Three requests behind 8 shared cached slots begin their new tokens with the same 5:
     those are one run, computed once; a fourth with 4 more cached positions of its own
-    computes all its new tokens; rows = run + 4 requests x the longest own part."""
+    computes all its new tokens; rows = run + every request's own tokens, unpadded, in
+    parts of equal length (one attention call each)."""
     prefix = list(range(8))
     run, tails = [7, 7, 7, 7, 7], [[1, 2], [3, 4], [5, 6]]
     tables = [PageTable(prefix + list(range(100 + 10 * r, 107 + 10 * r))) for r in range(3)]
@@ -229,17 +230,26 @@ def test_prefill_plan_reads_the_prefix_once_and_computes_a_common_run_once():
     ids = [torch.tensor(run + t) for t in tails] + [torch.tensor([9, 9, 9, 9])]
     plan = PrefillPlan.build(tables, ids)
     assert (plan.shared, plan.common, plan.group, plan.own) == (8, 5, [0, 1, 2], [2, 2, 2, 4])
-    assert plan.rows == 5 + 4 * 4 and plan.prefix.tolist() == prefix
-    assert plan.input_ids[:5].tolist() == run and plan.positions[:5].tolist() == [8, 9, 10, 11, 12]
+    assert plan.rows == 5 + 2 + 2 + 2 + 4 and plan.prefix.tolist() == prefix
+    assert plan.input_ids.tolist() == run + [1, 2, 3, 4, 5, 6, 9, 9, 9, 9]
+    assert plan.positions.tolist() == [8, 9, 10, 11, 12] + [13, 14] * 3 + [12, 13, 14, 15]
     # The run's K/V goes to each group request's slots at positions 8..12, from rows 0..4.
     assert plan.new_slots[:15].tolist() == [s for r in range(3) for s in range(100 + 10 * r,
                                                                                105 + 10 * r)]
-    assert plan.source[:15].tolist() == list(range(5)) * 3
-    assert plan.last.tolist() == [8, 12, 16, 20] and plan.mask is not None
+    assert plan.source.tolist() == list(range(5)) * 3 + list(range(5, 15))
+    assert plan.last.tolist() == [6, 8, 10, 14]
+    (pair, lone) = plan.parts  # both read keys from the pool: the run's, and 4 cached
+    assert (pair.requests, pair.start, pair.length) == ([0, 1, 2], 5, 2)
+    assert (lone.requests, lone.start, lone.length) == ([3], 11, 4)
+    assert pair.mask is not None and pair.own_slots.shape == (3, 7)
+    assert lone.own_slots.tolist() == [list(range(200, 208))]
     apart = PrefillPlan.build(tables, ids, share_runs=False)  # an engine without a cache
-    assert (apart.common, apart.own, apart.rows) == (0, [7, 7, 7, 4], 4 * 7)
+    assert (apart.common, apart.own, apart.rows) == (0, [7, 7, 7, 4], 3 * 7 + 4)
+    assert [p.requests for p in apart.parts] == [[0, 1, 2], [3]]
+    assert apart.parts[0].own_slots is None  # nothing past the prefix but their new tokens
     alone = PrefillPlan.build(tables[:1], ids[:1])  # one request: no run, its keys causal
-    assert (alone.common, alone.own, alone.own_slots, alone.mask) == (0, [7], None, None)
+    assert (alone.common, alone.own, alone.parts[0].own_slots, alone.parts[0].mask) == \
+        (0, [7], None, None)
 
 
 def test_forward_paged_rejects_missing_slots(model):
