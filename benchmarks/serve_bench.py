@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="an extra minirt.serve option (repeat), e.g. --minirt-arg=--page-size=16")
     p.add_argument("--client", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error("--reps must be at least 1")
     if args.num_prompts < 4:
         p.error("--num-prompts must be at least 4 (prefix_repetition has 4 prefixes)")
     if args.client:

@@ -320,10 +320,13 @@ def main() -> None:
                    help="only part 4, the 16-request burst")
     p.add_argument("--serve-bench-only", action="store_true",
                    help="only part 5, vllm.benchmarks.serve against both servers")
-    p.add_argument("--bench-reps", type=int, default=3, help="runs per cell in part 5")
+    p.add_argument("--bench-reps", type=int, default=3,
+                   help="runs per cell in part 5 (0: parts 1-4 only)")
     p.add_argument("--vllm-worker", nargs=3, metavar=("SPEC", "OUT", "CACHING"),
                    help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.bench_reps < 0 or (args.serve_bench_only and args.bench_reps < 1):
+        p.error(f"--bench-reps must be at least {1 if args.serve_bench_only else 0}")
     if args.vllm_worker:
         spec, out, caching = args.vllm_worker
         vllm_worker(spec, out, caching == "on")
@@ -398,7 +401,7 @@ def main() -> None:
         print("answers identical across servers:", len({json.dumps(t) for t in texts.values()})
               == 1)
     bench_ok = True
-    if not args.skip_servers and not args.throughput_only:
+    if not args.skip_servers and not args.throughput_only and args.bench_reps:
         bench_ok = serve_bench.run(reps=args.bench_reps)
     if problems:
         print("\nFAIL: minirt at page 128 does not cache or generate what vLLM does:\n  "
