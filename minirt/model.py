@@ -279,8 +279,6 @@ def fuse_projections(model, prepack: bool = True) -> int:
 
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
-    if getattr(model, "_minirt_fused", False):
-        return 0  # done before: a walk over every module costs milliseconds, per step
     fused = 0
     for module in model.modules():
         if getattr(module, "_minirt_fused", False):
@@ -298,7 +296,6 @@ def fuse_projections(model, prepack: bool = True) -> int:
         module.forward = MethodType(forward, module)
         module._minirt_fused = True
         fused += 1
-    model._minirt_fused = True
     head = model.get_output_embeddings() if fused else None
     if isinstance(head, torch.nn.Linear) and not hasattr(head, "packed"):
         _prepack_linear(head, prepack)
