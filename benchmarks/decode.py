@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -91,13 +92,6 @@ def profile_split(model, batch: int, context: int, steps: int) -> None:
     print_split(prof.key_averages(), wall, steps)
 
 
-class NoSharedPrefix(WorkingKV):
-    """``WorkingKV`` holding each request's every position in its row (nothing shared)."""
-
-    def _start_prefix(self, tables, align: int = 1) -> None:
-        self.clear()
-
-
 def choices(batch: int, context: int, steps: int) -> None:
     """The decode step built up one change at a time, the engines stepped in turn."""
     from unittest import mock
@@ -123,8 +117,8 @@ def choices(batch: int, context: int, steps: int) -> None:
             engines[name] = engine = batch_engine(model, batch, context, steps + 2)
         if not keep:
             engine.lifecycle.working = None
-        elif not share:  # every position in the rows: a prefix of length 0
-            engine.lifecycle.working = NoSharedPrefix(engine.pool)
+        elif not share:  # every position in the rows: no prefix is ever long enough
+            engine.lifecycle.working = WorkingKV(engine.pool, min_prefix=sys.maxsize)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(steps):
         for name, (model, attention, keep, _) in variants.items():

@@ -27,9 +27,9 @@ from .errors import ModelError, PoolError
 from .model import _GATE_UP, _QKV, _projections, fuse_projections
 from .pool import KVPool, PagedBatch, PageTable, PoolCache, as_index_tensor
 
-__all__ = ["CHUNK", "MIN_ROWS", "QUERY_BLOCK", "LayerKV", "PrefillPart", "PrefillPlan",
-           "WorkingKV", "aligned_attention", "attention_lse", "forward_paged", "forward_windowed",
-           "is_llama", "llama_forward", "shared_prefix_attention"]
+__all__ = ["CHUNK", "MIN_ROWS", "QUERY_BLOCK", "HeldPrefix", "LayerKV", "PrefillPart",
+           "PrefillPlan", "WorkingKV", "aligned_attention", "attention_lse", "forward_paged",
+           "forward_windowed", "is_llama", "llama_forward", "shared_prefix_attention"]
 
 # ---------------------------------------------------------------------------
 # A Llama forward without transformers' cache object, mask or per-layer dispatch.
@@ -672,108 +672,154 @@ def forward_windowed(model, layers: Sequence[LayerKV], tables: Sequence[Sequence
 # Decode without gathering: the running batch's K/V kept contiguous between steps.
 
 
+@dataclass(eq=False)
+class HeldPrefix:
+    """Leading positions that several running requests' tables share (a prefix cached in
+    the tree), held once for them: the ``slots`` and their K/V ``k``, ``v`` ``[layers,
+    kv_heads, len, head_dim]``, filled from the pool when the group forms."""
+
+    slots: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.slots.numel())
+
+
 class WorkingKV:
-    """Running requests' K/V between decode steps: the prefix they all share once, then one
-    contiguous row each for the rest, grown by one position per step.
+    """Running requests' K/V between decode steps: each prefix that several of them share
+    held once, then one contiguous row each for the rest, grown by one position per step.
 
     ``PoolLayer`` gathers every position of every request from the pool in every layer of
     every step. Here a request's K/V is filled from the pool once, when it joins the decode
-    batch: the leading positions whose slots every running request shares (a prefix cached
-    in the tree) into ``prefix_k``/``prefix_v`` ``[layers, kv_heads, shared, head_dim]``,
-    the rest into its row of ``k``/``v`` ``[layers, rows, kv_heads, positions, head_dim]``.
-    Each step writes the new token's K/V to its pool slot (the pool stays the source of
-    truth) *and* appends it to the row; attention reads the prefix once for the whole batch
-    and each row where it lies (``shared_prefix_attention``). Rows are keyed by the
-    ``PageTable`` object; a row whose slots no longer match its table is refilled from the
-    pool, and a request that does not share the whole stored prefix starts it over.
+    batch: the leading positions it shares with other running requests (their slots are
+    the same, a prefix cached in the tree) into their group's ``HeldPrefix``, the rest into
+    its row of ``k``/``v`` ``[layers, rows, kv_heads, positions, head_dim]``. Each step
+    writes the new token's K/V to its pool slot (the pool stays the source of truth) *and*
+    appends it to the row; attention reads each prefix once for its group and each row
+    where it lies (``cascade_decode``).
+
+    A request joining takes the running request it shares most with (at least
+    ``min_prefix`` positions): it joins that one's group if it shares exactly the group's
+    prefix; if it shares more, the two form a group of their own, held at what they share
+    (so requests behind several different prefixes get one group each, and ones behind a
+    system prompt and a longer history the longer one); else it has no group and all its
+    positions are in its row. A group never shrinks: a request sharing less starts another.
+    Rows are keyed by the ``PageTable`` object; a row whose slots no longer match its table
+    is refilled from the pool.
     """
 
-    def __init__(self, pool: KVPool, grow: int = 256) -> None:
-        self.pool, self.grow = pool, grow
+    def __init__(self, pool: KVPool, grow: int = 256, min_prefix: int = 1) -> None:
+        self.pool, self.grow, self.min_prefix = pool, grow, min_prefix
         self.clear()
 
     def clear(self) -> None:
-        """Drop the prefix and every row and give the memory back."""
+        """Drop every prefix and row and give the memory back."""
         p = self.pool
         self.tables: list[PageTable] = []   # the request each row belongs to
         self.slots: list[torch.Tensor] = []  # the slots each request holds here, in order
-        self.prefix_slots = torch.zeros(0, dtype=torch.int64)
-        self.prefix_k = torch.zeros(p.num_layers, p.kv_heads, 0, p.head_dim, dtype=p.dtype,
-                                    device=p.device)
-        self.prefix_v = torch.zeros_like(self.prefix_k)
+        self.held: list[HeldPrefix | None] = []  # each row's group prefix, if any
         self.k = torch.zeros(p.num_layers, 0, p.kv_heads, 0, p.head_dim, dtype=p.dtype,
                              device=p.device)
         self.v = torch.zeros_like(self.k)
 
     @property
-    def shared(self) -> int:
-        """Positions held once, in the prefix, for every row."""
-        return int(self.prefix_slots.numel())
+    def prefixes(self) -> list[HeldPrefix]:
+        """The prefixes held, each once, in the order of their first row."""
+        return list({id(h): h for h in self.held if h is not None}.values())
 
     @property
     def lengths(self) -> torch.Tensor:
-        """Positions each row's request holds here (the shared prefix included)."""
+        """Positions each row's request holds here (its prefix included)."""
         return torch.tensor([s.numel() for s in self.slots], dtype=torch.int64)
 
     @property
+    def own(self) -> torch.Tensor:
+        """Positions each row holds itself: its request's, past its group's prefix."""
+        return self.lengths - torch.tensor([_held(h) for h in self.held], dtype=torch.int64)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes the prefix and the rows occupy (allocated, including room to grow)."""
-        return 2 * (self.k.numel() + self.prefix_k.numel()) * self.k.element_size()
+        """Bytes the prefixes and the rows occupy (allocated, including room to grow)."""
+        held = sum(h.k.numel() for h in self.prefixes)
+        return 2 * (self.k.numel() + held) * self.k.element_size()
 
     def check(self, tables: Sequence[PageTable]) -> None:
-        """PoolError unless the prefix and every row serving one of ``tables`` (and still
-        matching its slots) hold exactly the pool's K/V at those slots."""
+        """PoolError unless every row serving one of ``tables`` (and still matching its
+        slots), and its prefix, hold exactly the pool's K/V at those slots."""
         live = {id(t) for t in tables}
-        parts = [(f"row {r}", self.k[:, r], self.v[:, r], s[self.shared:])
-                 for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True))
-                 if id(t) in live and torch.equal(t.slots[:s.numel()], s)]
-        if parts:  # else the next step starts over: nothing here is read again
-            parts.append(("prefix", self.prefix_k, self.prefix_v, self.prefix_slots))
-        for what, k, v, slots in parts:  # rows not checked are refilled before use
+        rows = [r for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True))
+                if id(t) in live and torch.equal(t.slots[:s.numel()], s)]
+        parts = [(f"row {r}", self.k[:, r], self.v[:, r], self.slots[r][_held(self.held[r]):])
+                 for r in rows]  # rows not checked are refilled before use
+        groups = {id(h): h for r in rows if (h := self.held[r]) is not None}
+        parts += [("prefix", h.k, h.v, h.slots) for h in groups.values()]
+        for what, k, v, slots in parts:
             idx = slots.to(self.pool.device)
-            for name, held in (("k", k), ("v", v)):
+            for name, kept in (("k", k), ("v", v)):
                 pool = getattr(self.pool, name)[:, idx].transpose(1, 2)
-                if not torch.equal(held[:, :, :slots.numel()], pool):
+                if not torch.equal(kept[:, :, :slots.numel()], pool):
                     raise PoolError(f"working {name} {what} differs from the pool at its "
                                     "slots: the pool is the source of truth")
 
     def sync(self, tables: Sequence[PageTable], align: int = 1) -> list[int]:
-        """The prefix and rows for exactly ``tables`` (each holding all positions but its
+        """The prefixes and rows for exactly ``tables`` (each holding all positions but its
         last, the new token's); returns, per row, the index in ``tables`` it serves.
-        ``align``: the prefix is a whole number of ``align`` positions (deterministic mode)."""
+        ``align``: every prefix is a whole number of ``align`` positions (deterministic
+        mode); a prefix that is not is let go, and its rows refilled."""
         index = {id(t): i for i, t in enumerate(tables)}
-        keep = [r for r, (t, s) in enumerate(zip(self.tables, self.slots, strict=True))
-                if id(t) in index and torch.equal(t.slots[:s.numel()], s)
-                and s.numel() == len(t) - 1]
-        if (not keep or _shared_length(tables, self.shared) < self.shared
-                or self.shared % align):
-            self._start_prefix(tables, align)  # no row to keep, or the prefix is not everyone's
-            keep = []
+        keep = [r for r, (t, s, h) in enumerate(zip(self.tables, self.slots, self.held,
+                                                      strict=True))
+                if id(t) in index and s.numel() == len(t) - 1
+                and torch.equal(t.slots[:s.numel()], s) and _held(h) % align == 0]
         if keep != list(range(len(self.tables))):
             self._compact(keep)
-        have = {id(t) for t in self.tables}
-        new = [t for t in tables if id(t) not in have]
-        self._reserve(len(self.tables) + len(new), max(len(t) for t in tables) - self.shared)
-        for t in new:  # the one gather per request: every position it has past the prefix
-            r, old = len(self.tables), t.slots[self.shared:-1]
-            idx = old.to(self.pool.device)
-            self.k[:, r, :, :old.numel()] = self.pool.k[:, idx].transpose(1, 2)
-            self.v[:, r, :, :old.numel()] = self.pool.v[:, idx].transpose(1, 2)
-            self.k[:, r, :, old.numel():] = 0  # past its end: masked, so it must be finite
-            self.v[:, r, :, old.numel():] = 0
-            self.tables.append(t)
-            self.slots.append(t.slots[:-1])
+        rows, held = list(self.tables), list(self.held)  # after this sync: kept rows, then new
+        have = {id(t) for t in rows}
+        for t in tables:
+            if id(t) not in have:
+                held.append(self._group(t, rows, held, align))
+                rows.append(t)
+        self._reserve(len(rows), max(len(t) - _held(h) for t, h in zip(rows, held, strict=True)))
+        for r, (t, h) in enumerate(zip(rows, held, strict=True)):
+            if r >= len(self.tables) or h is not self.held[r]:
+                self._fill(r, t, h)
         return [index[id(t)] for t in self.tables]
 
-    def _start_prefix(self, tables: Sequence[PageTable], align: int = 1) -> None:
-        """Drop every row; hold the positions every one of ``tables`` shares as the prefix
-        (cut to a multiple of ``align``)."""
-        slots = tables[0].slots[:_shared_length(tables) // align * align]
-        self.clear()
-        idx = slots.to(self.pool.device)
-        self.prefix_slots = slots
-        self.prefix_k = self.pool.k[:, idx].transpose(1, 2).contiguous()
-        self.prefix_v = self.pool.v[:, idx].transpose(1, 2).contiguous()
+    def _group(self, t: PageTable, rows: list[PageTable], held: list[HeldPrefix | None],
+               align: int) -> HeldPrefix | None:
+        """The prefix ``t`` will read once, with the row it shares most with (ties: one
+        whose group it joins as it is); a new group re-points that row's entry in ``held``."""
+        best, partner = (0, False), -1
+        for r, (u, h) in enumerate(zip(rows, held, strict=True)):
+            n = _common_prefix([t.slots, u.slots], min(len(t), len(u)) - 1) // align * align
+            if n >= max(self.min_prefix, _held(h), 1) and (n, n == _held(h)) > best:
+                best, partner = (n, n == _held(h)), r
+        (n, joins), r = best, partner
+        if r < 0:
+            return None
+        if joins:
+            return held[r]
+        idx = t.slots[:n].to(self.pool.device)
+        held[r] = HeldPrefix(t.slots[:n], self.pool.k[:, idx].transpose(1, 2).contiguous(),
+                             self.pool.v[:, idx].transpose(1, 2).contiguous())
+        return held[r]
+
+    def _fill(self, r: int, t: PageTable, h: HeldPrefix | None) -> None:
+        """Row ``r`` (appended if it is the next) serves ``t`` behind prefix ``h``: the one
+        gather per request, every position it has past the prefix, zeros after them."""
+        if r == len(self.tables):
+            self.tables.append(t)
+            self.slots.append(t.slots[:-1])
+            self.held.append(h)
+        else:
+            self.tables[r], self.slots[r], self.held[r] = t, t.slots[:-1], h
+        old = t.slots[_held(h):-1]
+        idx = old.to(self.pool.device)
+        self.k[:, r, :, :old.numel()] = self.pool.k[:, idx].transpose(1, 2)
+        self.v[:, r, :, :old.numel()] = self.pool.v[:, idx].transpose(1, 2)
+        self.k[:, r, :, old.numel():] = 0  # past its end: masked, so it must be finite
+        self.v[:, r, :, old.numel():] = 0
 
     def _compact(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` (ascending), as rows ``0 .. len(keep) - 1``: each kept row
@@ -784,7 +830,7 @@ class WorkingKV:
         holes = [r for r in range(n) if r not in kept]
         movers = [r for r in keep if r >= n]
         if movers:
-            used = max(self.slots[r].numel() for r in movers) - self.shared
+            used = int(self.own[movers].max())
             src = torch.tensor(movers, dtype=torch.int64, device=self.k.device)
             dst = torch.tensor(holes, dtype=torch.int64, device=self.k.device)
             for buf in (self.k, self.v):
@@ -792,20 +838,21 @@ class WorkingKV:
         where = dict(zip(holes, movers, strict=True))  # row r now holds what row where[r] held
         self.tables = [self.tables[where.get(r, r)] for r in range(n)]
         self.slots = [self.slots[where.get(r, r)] for r in range(n)]
+        self.held = [self.held[where.get(r, r)] for r in range(n)]
 
     def _reserve(self, rows: int, positions: int) -> None:
         """Room for ``rows`` rows of ``positions`` positions: regrown to a power of two rows
         and a multiple of ``grow`` positions, so a batch that grows by one request a step
         does not reallocate at every step. The new buffer is not cleared as a whole: the
         rows in use are copied and zeroed past their positions, and a row is zeroed past
-        its end when a request takes it (``sync``), so every position attention reads is
+        its end when a request takes it (``_fill``), so every position attention reads is
         a K/V or a finite zero behind the mask, and rows never used cost no memory writes."""
         _, have_rows, _, have_pos, _ = self.k.shape
         if rows <= have_rows and positions <= have_pos:
             return
         rows, positions = max(rows, have_rows), max(positions, have_pos)
         rows, positions = 1 << (rows - 1).bit_length(), -(-positions // self.grow) * self.grow
-        used = max((s.numel() - self.shared for s in self.slots), default=0)
+        used = int(self.own.max()) if self.tables else 0
         n = len(self.tables)
         for name in ("k", "v"):
             old = getattr(self, name)
@@ -820,13 +867,12 @@ class WorkingKV:
         position). Returns each request's next-token logits, in ``tables`` order.
 
         The model runs as ``llama_forward``: in each layer, ``attend`` writes the new K/V onto
-        the end of each row, then attends over the prefix and the rows; after the last layer
-        the new K/V of all layers go into their pool slots in one copy.
+        the end of each row, then attends over the prefixes and the rows; after the last
+        layer the new K/V of all layers go into their pool slots in one copy.
         """
         order = self.sync(tables, CHUNK if deterministic else 1)
         n, device = len(order), self.pool.device
-        lengths = self.lengths
-        own = lengths - self.shared  # row positions in use before this step
+        lengths, own = self.lengths, self.own  # row positions in use before this step
         width = int(own.max()) + 1
         new_slots = torch.stack([tables[i].slots[-1] for i in order]).to(device)
         if bool((own == width - 1).all()):  # rows of one length: one column, no mask
@@ -836,21 +882,27 @@ class WorkingKV:
             mask = torch.zeros(n, 1, 1, width, dtype=self.pool.dtype, device=device)
             mask.masked_fill_((torch.arange(width) > own[:, None]).view(n, 1, 1, width)
                               .to(device), float("-inf"))
-
+        groups = [(_rows_of(self.held, h, device), h) for h in self.prefixes]
+        if deterministic:  # the rows of no group: a prefix of none
+            alone = [r for r, h in enumerate(self.held) if h is None]
+            blocks = groups + ([(_as_rows(alone, device), None)] if alone else [])
+            pos = lengths.view(n, 1).to(device)
         span = min(-(-width // CHUNK) * CHUNK, self.k.shape[3])
 
         def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
             keys, values = self.k[layer], self.v[layer]
             keys[rows, :, column] = k[:, :, 0]
             values[rows, :, column] = v[:, :, 0]
-            if deterministic:  # whole chunks of the rows (past ``width``: masked), no copy
-                out = aligned_attention(q, lengths.view(n, 1), self.prefix_k[layer],
-                                        self.prefix_v[layer], keys[:n, :, :span],
-                                        values[:n, :, :span], scale)
-            else:
-                out = shared_prefix_attention(q, self.prefix_k[layer], self.prefix_v[layer],
-                                              keys[:n, :, :width], values[:n, :, :width],
-                                              mask, scale)
+            if not deterministic:
+                return cascade_decode(q, keys[:n, :, :width], values[:n, :, :width], mask,
+                                      [(r, h.k[layer], h.v[layer]) for r, h in groups],
+                                      scale).reshape(n, 1, -1)
+            out = q.new_empty(n, 1, q.shape[1], q.shape[3])
+            for r, h in blocks:  # whole chunks of the rows (past ``width``: masked)
+                pk, pv = ((keys[0, :, :0], values[0, :, :0]) if h is None
+                          else (h.k[layer], h.v[layer]))
+                out[r] = aligned_attention(q[r], pos[r], pk, pv, keys[r, :, :span],
+                                           values[r, :, :span], scale)
             return out.reshape(n, 1, -1)
 
         logits = llama_forward(model, tokens[order].view(n, 1).to(device),
@@ -870,11 +922,56 @@ class WorkingKV:
         return out
 
 
-def _shared_length(tables: Sequence[PageTable], limit: int | None = None) -> int:
-    """How many leading slots all ``tables`` have in common, not counting each one's last
-    position (its new token), up to ``limit``."""
-    n = min(len(t) for t in tables) - 1
-    return _common_prefix([t.slots for t in tables], n if limit is None else min(n, limit))
+def cascade_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   mask: torch.Tensor | None,
+                   prefixes: Sequence[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]],
+                   scale: float) -> torch.Tensor:
+    """Decode attention of ``query`` ``[b, heads, 1, head_dim]`` over each sequence's own
+    ``key``, ``value`` ``[b, kv_heads, n, head_dim]`` (``mask`` as in ``attention_lse``)
+    and, for the sequences ``rows`` of each ``(rows, prefix_k, prefix_v)``, the prefix
+    ``[kv_heads, P, head_dim]`` they share before those: ``[b, 1, heads, head_dim]``.
+
+    ``shared_prefix_attention`` with one prefix per group of sequences: each prefix is read
+    once, by all its group's query rows of a K/V head in one attention, and merged into
+    their own half through the two log-sum-exps; a sequence in no group sees its own keys.
+    """
+    b, heads, _, d = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    q = query.reshape(b, kv_heads, group, d)  # the query heads of a K/V head: its rows
+    out, lse = attention_lse(q, key, value, mask, scale)
+    if prefixes:
+        exact = torch.promote_types(query.dtype, torch.float32)  # bf16 merges in fp32
+        out = out.to(exact)
+        for rows, pk, pv in prefixes:
+            part = q[rows].transpose(0, 1)  # [kv_heads, rows, group, d]
+            m = part.shape[1]
+            p_out, p_lse = attention_lse(part.reshape(1, kv_heads, m * group, d), pk[None],
+                                         pv[None], None, scale)
+            p_out = p_out.view(kv_heads, m, group, d).transpose(0, 1).to(exact)
+            p_lse = p_lse.view(kv_heads, m, group).transpose(0, 1)
+            weight = torch.sigmoid(p_lse - lse[rows]).unsqueeze(-1).to(exact)
+            out[rows] = torch.lerp(out[rows], p_out, weight)
+    return out.to(query.dtype).reshape(b, heads, 1, d).transpose(1, 2)
+
+
+def _held(h: HeldPrefix | None) -> int:
+    """Positions a row reads from its group's prefix: none without one."""
+    return 0 if h is None else len(h)
+
+
+def _rows_of(held: Sequence[HeldPrefix | None], h: HeldPrefix,
+             device: torch.device) -> slice | torch.Tensor:
+    """The rows whose prefix is ``h``."""
+    return _as_rows([r for r, x in enumerate(held) if x is h], device)
+
+
+def _as_rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Row numbers (ascending) as a slice when they are a run (a view, no copy), else as
+    an index tensor."""
+    if rows == list(range(rows[0], rows[-1] + 1)):
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def _common_prefix(seqs: Sequence[torch.Tensor], limit: int) -> int:

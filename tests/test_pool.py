@@ -331,37 +331,80 @@ def test_working_kv_check_catches_a_row_that_drifted(model):
         working.check([table])
 
 
-def test_working_kv_holds_the_shared_prefix_once(model):
-    """Requests whose tables share a prefix's slots (as after a tree hit) decode through one
-    copy of it: logits equal the plain model's; a request sharing less starts it over."""
+def test_working_kv_holds_each_groups_prefix_once(model):
+    """Requests whose tables share leading slots (as after tree hits) decode through one copy
+    of each group's prefix: behind two prefixes, two groups; a request sharing less than a
+    group's prefix has its own row only; one sharing more with a member than the group does
+    forms a group with it. Logits equal the plain model's throughout."""
     from minirt.forward import WorkingKV
 
     torch.manual_seed(5)
-    pool = KVPool.for_model(model, 256)
+    pool = KVPool.for_model(model, 512)
     working = WorkingKV(pool)
-    prefix = torch.randint(0, 128, (7,))
-    prefix_slots = pool.alloc(7)
-    forward_paged(model, pool, [PageTable(prefix_slots)], [prefix])
+    heads = {}
+    for name, n in (("x", 7), ("y", 6)):
+        ids = torch.randint(0, 128, (n,))
+        heads[name] = (ids, pool.alloc(n))
+        forward_paged(model, pool, [PageTable(heads[name][1])], [ids])
     seqs, tables, last = [], [], []
-    for shared, own in ((7, 2), (7, 4), (7, 3), (3, 5)):  # the last shares 3 positions only
-        seq = torch.cat([prefix[:shared], torch.randint(0, 128, (own,))])
-        table = PageTable(prefix_slots[:shared])
+
+    def request(ids: torch.Tensor, slots: torch.Tensor, own: int) -> None:
+        seq = torch.cat([ids, torch.randint(0, 128, (own,))])
+        table = PageTable(slots)
         table.append(pool.alloc(own))
-        last.append(forward_paged(model, pool, [table], [seq[shared:]])[0].argmax().reshape(1))
+        last.append(forward_paged(model, pool, [table], [seq[len(ids):]])[0].argmax().reshape(1))
         seqs.append(seq)
         tables.append(table)
-    for rows, shared in (([0, 1], 7), ([0, 1, 2], 7), ([2, 0], 7), ([2, 3, 0], 3), ([3], 3)):
+
+    (x, xs), (y, ys) = heads["x"], heads["y"]
+    for ids, slots, own in ((x, xs, 2), (x, xs, 4), (x[:3], xs[:3], 5), (y, ys, 3), (y, ys, 2)):
+        request(ids, slots, own)
+    request(seqs[1][:9], tables[1].slots[:9], 3)  # request 5: x and request 1's first 2 own
+    steps = (([0, 1], [(7, [0, 1])]),
+             ([0, 1, 3], [(7, [0, 1])]),                      # 3 shares nothing yet: a row
+             ([3, 0, 1, 4], [(6, [3, 4]), (7, [0, 1])]),
+             ([3, 2, 4, 0], [(6, [3, 4]), (7, [0])]),         # 2 shares 3 of the 7: a row
+             ([0, 5, 1, 2], [(7, [0]), (9, [1, 5])]))         # 1 shares 9 with 5: a group
+    for rows, groups in steps:
         for r in rows:
             tables[r].append(pool.alloc(1))
         got = forward_paged(model, pool, [tables[r] for r in rows], [last[r] for r in rows],
                             working=working)
-        assert working.shared == shared and working.prefix_k.shape[2] == shared
+        which = {id(t): r for r, t in enumerate(tables)}
+        held = [(len(h), sorted(which[id(t)] for t, g in zip(working.tables, working.held,
+                                                              strict=True) if g is h))
+                for h in working.prefixes]
+        assert sorted(held) == groups
         working.check([tables[r] for r in rows])
         for r, lg in zip(rows, got, strict=True):
             seqs[r] = torch.cat([seqs[r], last[r]])
             torch.testing.assert_close(lg, model(seqs[r][None]).logits[0, -1],
                                        atol=1e-5, rtol=1e-5)
             last[r] = lg.argmax().reshape(1)
-    pool.k[0, int(prefix_slots[1])] += 1.0
+    pool.k[0, int(xs[1])] += 1.0
     with pytest.raises(PoolError, match="prefix differs from the pool"):
-        working.check([tables[3]])
+        working.check([tables[0]])
+    row = [id(t) for t in working.tables].index(id(tables[2]))
+    with pytest.raises(PoolError, match=f"row {row} differs from the pool"):
+        working.check([tables[2]])  # it holds that slot in its own row
+
+
+def test_working_kv_min_prefix(model):
+    """``min_prefix``: requests sharing fewer positions keep all of theirs in their rows."""
+    from minirt.forward import WorkingKV
+
+    torch.manual_seed(6)
+    pool = KVPool.for_model(model, 64)
+    ids, slots = torch.randint(0, 128, (5,)), pool.alloc(5)
+    forward_paged(model, pool, [PageTable(slots)], [ids])
+    tables, nxt = [], []
+    for _ in range(2):
+        t = PageTable(slots)
+        t.append(pool.alloc(2))
+        nxt.append(forward_paged(model, pool, [t], [torch.tensor([1, 2])])[0].argmax().reshape(1))
+        t.append(pool.alloc(1))
+        tables.append(t)
+    for least, held in ((5, [5]), (6, [])):
+        working = WorkingKV(pool, min_prefix=least)
+        forward_paged(model, pool, tables, nxt, working=working)
+        assert [len(h) for h in working.prefixes] == held
