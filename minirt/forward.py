@@ -755,12 +755,16 @@ class WorkingKV:
         groups = {id(h): h for r in rows if (h := self.held[r]) is not None}
         parts += [("prefix", h.k, h.v, h.slots) for h in groups.values()]
         for what, k, v, slots in parts:
-            idx = slots.to(self.pool.device)
-            for name, kept in (("k", k), ("v", v)):
-                pool = getattr(self.pool, name)[:, idx].transpose(1, 2)
+            for name, kept, pool in zip("kv", (k, v), self._pool_kv(slots), strict=True):
                 if not torch.equal(kept[:, :, :slots.numel()], pool):
                     raise PoolError(f"working {name} {what} differs from the pool at its "
                                     "slots: the pool is the source of truth")
+
+    def _pool_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's K/V at ``slots``, laid out as the rows are: ``[layers, kv_heads,
+        len(slots), head_dim]`` each (a gather, so a copy)."""
+        idx = slots.to(self.pool.device)
+        return (self.pool.k[:, idx].transpose(1, 2), self.pool.v[:, idx].transpose(1, 2))
 
     def sync(self, tables: Sequence[PageTable], align: int = 1) -> list[int]:
         """The prefixes and rows for exactly ``tables`` (each holding all positions but its
@@ -800,9 +804,8 @@ class WorkingKV:
             return None
         if joins:
             return held[r]
-        idx = t.slots[:n].to(self.pool.device)
-        held[r] = HeldPrefix(t.slots[:n], self.pool.k[:, idx].transpose(1, 2).contiguous(),
-                             self.pool.v[:, idx].transpose(1, 2).contiguous())
+        k, v = self._pool_kv(t.slots[:n])
+        held[r] = HeldPrefix(t.slots[:n], k.contiguous(), v.contiguous())
         return held[r]
 
     def _fill(self, r: int, t: PageTable, h: HeldPrefix | None) -> None:
@@ -815,9 +818,7 @@ class WorkingKV:
         else:
             self.tables[r], self.slots[r], self.held[r] = t, t.slots[:-1], h
         old = t.slots[_held(h):-1]
-        idx = old.to(self.pool.device)
-        self.k[:, r, :, :old.numel()] = self.pool.k[:, idx].transpose(1, 2)
-        self.v[:, r, :, :old.numel()] = self.pool.v[:, idx].transpose(1, 2)
+        self.k[:, r, :, :old.numel()], self.v[:, r, :, :old.numel()] = self._pool_kv(old)
         self.k[:, r, :, old.numel():] = 0  # past its end: masked, so it must be finite
         self.v[:, r, :, old.numel():] = 0
 
@@ -882,9 +883,9 @@ class WorkingKV:
             mask = torch.zeros(n, 1, 1, width, dtype=self.pool.dtype, device=device)
             mask.masked_fill_((torch.arange(width) > own[:, None]).view(n, 1, 1, width)
                               .to(device), float("-inf"))
-        groups = [(_rows_of(self.held, h, device), h) for h in self.prefixes]
+        groups = [(_as_rows(_rows_of(self.held, h), device), h) for h in self.prefixes]
         if deterministic:  # the rows of no group: a prefix of none
-            alone = [r for r, h in enumerate(self.held) if h is None]
+            alone = _rows_of(self.held, None)
             blocks = groups + ([(_as_rows(alone, device), None)] if alone else [])
             pos = lengths.view(n, 1).to(device)
         span = min(-(-width // CHUNK) * CHUNK, self.k.shape[3])
@@ -960,10 +961,9 @@ def _held(h: HeldPrefix | None) -> int:
     return 0 if h is None else len(h)
 
 
-def _rows_of(held: Sequence[HeldPrefix | None], h: HeldPrefix,
-             device: torch.device) -> slice | torch.Tensor:
-    """The rows whose prefix is ``h``."""
-    return _as_rows([r for r, x in enumerate(held) if x is h], device)
+def _rows_of(held: Sequence[HeldPrefix | None], h: HeldPrefix | None) -> list[int]:
+    """The rows whose prefix is ``h`` (``None``: the rows in no group)."""
+    return [r for r, x in enumerate(held) if x is h]
 
 
 def _as_rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
