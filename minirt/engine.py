@@ -544,7 +544,7 @@ class Engine:
             self._finish(job)
             out.finished.append(job)
         if not self._running:
-            self.lifecycle.working.clear()  # idle: no K/V kept outside the pool
+            self.lifecycle.working.clear()  # idle: the rows go, their buffers stay
         return out
 
     def cancel(self, handle: RequestHandle | str) -> bool:

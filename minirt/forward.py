@@ -711,17 +711,18 @@ class WorkingKV:
 
     def __init__(self, pool: KVPool, grow: int = 256, min_prefix: int = 1) -> None:
         self.pool, self.grow, self.min_prefix = pool, grow, min_prefix
+        self.k = torch.zeros(pool.num_layers, 0, pool.kv_heads, 0, pool.head_dim,
+                             dtype=pool.dtype, device=pool.device)
+        self.v = torch.zeros_like(self.k)
         self.clear()
 
     def clear(self) -> None:
-        """Drop every prefix and row and give the memory back."""
-        p = self.pool
+        """Drop every prefix and row. The buffers stay for the next requests: memory the
+        process never wrote costs a page fault per page when first written, at every row
+        of a fresh buffer (a cost ``_reserve``'s doubling pays once, not at every burst)."""
         self.tables: list[PageTable] = []   # the request each row belongs to
         self.slots: list[torch.Tensor] = []  # the slots each request holds here, in order
         self.held: list[HeldPrefix | None] = []  # each row's group prefix, if any
-        self.k = torch.zeros(p.num_layers, 0, p.kv_heads, 0, p.head_dim, dtype=p.dtype,
-                             device=p.device)
-        self.v = torch.zeros_like(self.k)
 
     @property
     def prefixes(self) -> list[HeldPrefix]:

@@ -273,7 +273,8 @@ def test_working_kv_decode_equals_gathering_from_the_pool(model, monkeypatch, fr
     different lengths join and leave, its rows always equal the pool at their slots, and a
     table re-pointed under it (or with a bad K/V slot) is read again from the pool. Memory
     it grows into is not cleared as a whole: filled with NaN, nothing changes, since no
-    position attention reads is left unwritten."""
+    position attention reads is left unwritten. Cleared when idle, it keeps its buffers,
+    and requests after that read none of what they held."""
     from minirt.forward import WorkingKV
 
     if fresh == "NaN":
@@ -311,9 +312,21 @@ def test_working_kv_decode_equals_gathering_from_the_pool(model, monkeypatch, fr
                 pool.write(layer, copy, k, v)
             tables[0].repoint(copy)
             pool.k[:, int(copy[0])] += 1.0
-    assert working.nbytes > 0
-    working.clear()
-    assert working.nbytes == 0 and working.tables == []
+    nbytes, k = working.nbytes, working.k
+    working.clear()  # idle: the rows go, the buffers stay for the next requests
+    assert working.tables == [] and working.prefixes == [] and working.nbytes == nbytes > 0
+    with torch.inference_mode():  # whatever the rows held before: never read again
+        working.k.fill_(float("nan"))
+        working.v.fill_(float("nan"))
+    rows = [3, 1]
+    for r in rows:
+        tables[r].append(pool.alloc(1))
+    got = forward_paged(model, pool, [tables[r] for r in rows], [last[r] for r in rows],
+                        working=working)
+    for r, lg in zip(rows, got, strict=True):
+        ref = model(torch.cat([seqs[r], last[r]])[None]).logits[0, -1]
+        torch.testing.assert_close(lg, ref, atol=1e-5, rtol=1e-5)
+    assert working.k is k  # no new buffer: the rows were taken again
 
 
 def test_working_kv_check_catches_a_row_that_drifted(model):
