@@ -7,12 +7,13 @@ No server and no client: ``--concurrency`` requests are kept in flight, a new on
 as soon as one finishes, as vLLM's benchmark client does at that concurrency. The prompts
 have serve_bench's shape in token ids (4 prefixes of 512 random tokens, each request one
 of them and 64 tokens of its own, 32 output tokens, EOS ignored: read from serve_bench's
-``DATASETS``); the pool holds as many tokens as serve_bench's (vLLM's KV space). A first
-run warms up, the second is timed. Printed: the duration, the median TTFT and TPOT (each
-request's first token, and its last over its 31 gaps), every step that admitted requests
-(how many, their uncached tokens, how many were running, ms), and the decode-only steps'
-median by batch size. The load average is printed beside the numbers: timings on a
-shared machine are noisy.
+``DATASETS``); the pool holds as many tokens as serve_bench's (vLLM's KV space). One
+engine serves every run, as a server does; its cache is flushed before each, so every run
+computes its prefixes. A first run warms up, the second is timed. Printed: the duration,
+the median TTFT and TPOT (each request's first token, and its last over its 31 gaps),
+every step that admitted requests (how many, their uncached tokens, how many were running,
+ms), and the decode-only steps' median by batch size. The load average is printed beside
+the numbers: timings on a shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -46,11 +47,10 @@ def prompts_for(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
             for i in range(n)]
 
 
-def closed_loop(model, prompts: list[list[int]], concurrency: int, capacity: int) -> dict:
-    """Serve ``prompts`` with ``concurrency`` in flight from a pool of ``capacity`` slots;
-    per request TTFT and TPOT (s), and per step (admitted, uncached tokens, running before,
-    seconds)."""
-    engine = Engine(model, capacity=capacity)
+def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int) -> dict:
+    """Serve ``prompts`` with ``concurrency`` in flight, from an empty cache; per request
+    TTFT and TPOT (s), and per step (admitted, uncached tokens, running before, seconds)."""
+    engine.flush()
     queue, sent, first, last, steps = list(prompts), {}, {}, {}, []
 
     def submit() -> None:
@@ -109,10 +109,10 @@ def main() -> None:
     print(f"device {next(model.parameters()).device}, torch threads {torch.get_num_threads()}, "
           f"{args.num_prompts} prompts ({PREFIXES} prefixes of {PREFIX} + {OWN} own, "
           f"{OUTPUT} output tokens)")
-    capacity = vllm_kv_tokens(model.name_or_path)  # serve_bench's pool: vLLM's KV space
+    engine = Engine(model, capacity=vllm_kv_tokens(model.name_or_path))  # serve_bench's pool
     for c in args.concurrency:
-        closed_loop(model, prompts, c, capacity)  # warm-up
-        report(c, closed_loop(model, prompts, c, capacity))
+        closed_loop(engine, prompts, c)  # warm-up
+        report(c, closed_loop(engine, prompts, c))
 
 
 if __name__ == "__main__":
