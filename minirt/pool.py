@@ -81,6 +81,7 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self._page_free = torch.ones(capacity // page_size, dtype=torch.bool)  # the free list
+        self._free_pages = capacity // page_size  # its count, kept: read at every step
         self._ever_allocated = torch.zeros(capacity // page_size, dtype=torch.bool)
 
     @classmethod
@@ -119,7 +120,7 @@ class KVPool:
     @property
     def num_free(self) -> int:
         """Free slots (always a whole number of pages)."""
-        return int(self._page_free.sum()) * self.page_size
+        return self._free_pages * self.page_size
 
     @property
     def num_used(self) -> int:
@@ -168,6 +169,7 @@ class KVPool:
                                    f"{self.capacity} slots are free")
         pages = free[:need]
         self._page_free[pages] = False
+        self._free_pages -= need
         self._ever_allocated[pages] = True
         return self._slots_of(pages)
 
@@ -201,6 +203,7 @@ class KVPool:
                             f"{(p + 1) * self.page_size - 1}) given back only in part; "
                             "the pool takes whole pages")
         self._page_free[page_ids] = True
+        self._free_pages += page_ids.numel()
 
     # ---------------------------------------------------- reading/writing K/V
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -65,10 +65,10 @@ def test_misuse_raises_and_leaves_pool_unchanged(action, error, words):
     a = pool.alloc(4)
     pool.alloc(4)
     pool.free(a)
-    before = pool.snapshot()
+    before = pool.snapshot(), pool.num_free
     with pytest.raises(error, match=words):
         action(pool, a)
-    assert pool.snapshot() == before
+    assert (pool.snapshot(), pool.num_free) == before
 
 
 @settings(max_examples=150, deadline=None)
@@ -90,6 +90,7 @@ def test_free_list_accounting(ops, page_size):
             pool.free(held.pop(n % len(held)))
         owned = torch.cat(held + [pool.free_slots()]) if held else pool.free_slots()
         assert sorted(owned.tolist()) == list(range(24))
+        assert pool.num_free == pool.free_slots().numel()  # the count kept = the list's
 
 
 def test_page_table_repoint():
