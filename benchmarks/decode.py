@@ -3,6 +3,7 @@
     python benchmarks/decode.py                     # the grid and the profiler's split
     python benchmarks/decode.py --batches 16 --contexts 512 --steps 16
     python benchmarks/decode.py --threads 2         # torch threads (default: torch's choice)
+    python benchmarks/decode.py --no-grid --no-choices --vllm   # and vLLM's, side by side
 
 1. The grid: ``B`` requests (1-32) whose prompts are ``C`` tokens long (128-2,048) run
    through ``Engine`` until all of them are decoding; then ``--steps`` more
@@ -19,6 +20,10 @@
    K/V head, fused q/k/v and gate/up projections, prepacked (oneDNN) weights, the
    working K/V rows run by ``llama_forward`` (no transformers cache, mask or dispatch),
    and the shared prefix held and read once for the batch (minirt now).
+4. ``--vllm``: the decode step at serve_bench's shapes (1, 4 and 16 requests behind its 4
+   prefixes of 512 tokens, 64 of their own each), through minirt's ``Engine.generate`` and
+   then vLLM's offline ``LLM`` (in ``.venv-vllm``, ``benchmarks/vllm_decode.py``), measured
+   the same way on both: a call of 34 tokens less one of 2, over 32, fresh prompts each.
 
 Timings on a shared machine are noisy: run it on a quiet one; the load average is printed.
 """
@@ -138,6 +143,78 @@ def choices(batch: int, context: int, steps: int) -> None:
     print(f"   same tokens in all {len(variants)}: {len(outputs) == 1}")
 
 
+SHORT, LONG = 2, 34  # tokens per call: the step is their difference over LONG - SHORT
+DECODE_BATCHES = (1, 4, 16)  # requests per batch, as serve_bench's concurrencies
+
+
+def serve_bench_batches(vocab: int, repeats: int) -> dict:
+    """Prompts for ``--vllm``, drawn once for both engines: serve_bench's prefixes (read
+    from ``closed_loop``), a warm-up batch, and per batch size and repeat two batches of
+    fresh prompts, request ``i`` behind prefix ``i % 4`` (as the client sends them)."""
+    from closed_loop import prompts_for
+
+    pool = iter(prompts_for(vocab, 4 + 2 * repeats * sum(DECODE_BATCHES), seed=7))
+
+    def batch(n: int) -> list[list[int]]:
+        return [next(pool) for _ in range(n)]
+
+    return {"short": SHORT, "long": LONG, "warmup": batch(4),
+            "batches": {str(b): [(batch(b), batch(b)) for _ in range(repeats)]
+                        for b in DECODE_BATCHES}}
+
+
+
+def engine_decode_steps(model, spec: dict) -> dict[str, float]:
+    """``serve_bench_batches``' prompts through minirt's ``Engine.generate``: per batch
+    size, the median over repeats of (the LONG call - the SHORT call) / (LONG - SHORT)."""
+    from serve_bench import vllm_kv_tokens
+
+    engine = Engine(model, capacity=vllm_kv_tokens(model.name_or_path))
+
+    def run(prompts: list[list[int]], tokens: int) -> float:
+        start = time.perf_counter()
+        engine.generate([Request(prompt=p, max_new_tokens=tokens, stop_on_eos=False)
+                         for p in prompts], progress=False)
+        return time.perf_counter() - start
+
+    run(spec["warmup"], SHORT)
+    return {b: statistics.median((run(long, LONG) - run(short, SHORT)) / (LONG - SHORT)
+                                 for short, long in reps)
+            for b, reps in spec["batches"].items()}
+
+
+def vllm_side_by_side(model, repeats: int) -> None:
+    """The decode step at serve_bench's batches, minirt's then vLLM's (``vllm_decode.py``
+    in ``.venv-vllm``), with minirt/vLLM."""
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from vs_vllm import VLLM_ENV, VLLM_PYTHON
+
+    from minirt.model import fetch_default_model
+
+    if not VLLM_PYTHON.exists():
+        sys.exit(f"{VLLM_PYTHON} is missing: `make peer-vllm` builds .venv-vllm")
+    spec = serve_bench_batches(model.config.vocab_size, repeats)
+    mine = engine_decode_steps(model, spec)
+    spec_file, out = (Path(tempfile.mkstemp(suffix=".json")[1]) for _ in range(2))
+    spec_file.write_text(json.dumps({**spec, "model_path": str(fetch_default_model())}))
+    done = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_decode.py")),
+                           str(spec_file), str(out)], capture_output=True, text=True,
+                          env={**os.environ, **VLLM_ENV})
+    if done.returncode != 0:
+        sys.exit(f"vllm_decode.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    theirs = json.loads(out.read_text())
+    print(f"\n4. The decode step behind serve_bench's 4 prefixes (512 + 64 tokens each), "
+          f"ms, median of {repeats}: ({LONG}-token call - {SHORT}-token call) / {LONG - SHORT}")
+    print(f"   {'requests':>8} {'vLLM':>8} {'minirt':>8} {'minirt/vLLM':>12}")
+    for b in spec["batches"]:
+        print(f"   {b:>8} {theirs[b] * 1e3:8.1f} {mine[b] * 1e3:8.1f} "
+              f"{mine[b] / theirs[b]:12.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
@@ -148,6 +225,10 @@ def main() -> None:
     p.add_argument("--no-grid", action="store_true", help="skip the grid")
     p.add_argument("--no-choices", action="store_true", help="skip the step-by-step table")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--vllm", action="store_true",
+                   help="also the decode step at serve_bench's shapes, minirt's and vLLM's "
+                        "(needs .venv-vllm)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats for --vllm")
     args = p.parse_args()
     model = timing_model(args.threads)
     if not args.no_grid:
@@ -155,6 +236,8 @@ def main() -> None:
     profile_split(model, *args.profile_at, args.steps)
     if not args.no_choices:
         choices(*args.profile_at, args.steps)
+    if args.vllm:
+        vllm_side_by_side(model, args.repeats)
     print(f"\nload average now {os.getloadavg()[0]:.2f}")
 
 

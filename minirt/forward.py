@@ -676,7 +676,8 @@ def forward_windowed(model, layers: Sequence[LayerKV], tables: Sequence[Sequence
 class HeldPrefix:
     """Leading positions that several running requests' tables share (a prefix cached in
     the tree), held once for them: the ``slots`` and their K/V ``k``, ``v`` ``[layers,
-    kv_heads, len, head_dim]``, filled from the pool when the group forms."""
+    kv_heads, len, head_dim]``, views of its place in ``WorkingKV``'s prefix buffers,
+    filled from the pool when the group forms."""
 
     slots: torch.Tensor
     k: torch.Tensor
@@ -697,7 +698,9 @@ class WorkingKV:
     its row of ``k``/``v`` ``[layers, rows, kv_heads, positions, head_dim]``. Each step
     writes the new token's K/V to its pool slot (the pool stays the source of truth) *and*
     appends it to the row; attention reads each prefix once for its group and each row
-    where it lies (``cascade_decode``).
+    where it lies (``cascade_decode``). The prefixes lie side by side in ``pk``/``pv``
+    ``[layers, groups, kv_heads, positions, head_dim]``, so that one attention call per
+    layer reads all of them.
 
     A request joining takes the running request it shares most with (at least
     ``min_prefix`` positions): it joins that one's group if it shares exactly the group's
@@ -714,6 +717,7 @@ class WorkingKV:
         self.k = torch.zeros(pool.num_layers, 0, pool.kv_heads, 0, pool.head_dim,
                              dtype=pool.dtype, device=pool.device)
         self.v = torch.zeros_like(self.k)
+        self.pk, self.pv = torch.zeros_like(self.k), torch.zeros_like(self.k)
         self.clear()
 
     def clear(self) -> None:
@@ -723,11 +727,12 @@ class WorkingKV:
         self.tables: list[PageTable] = []   # the request each row belongs to
         self.slots: list[torch.Tensor] = []  # the slots each request holds here, in order
         self.held: list[HeldPrefix | None] = []  # each row's group prefix, if any
+        self.bank: list[HeldPrefix] = []  # the prefixes held, in their order in pk/pv
 
     @property
     def prefixes(self) -> list[HeldPrefix]:
-        """The prefixes held, each once, in the order of their first row."""
-        return list({id(h): h for h in self.held if h is not None}.values())
+        """The prefixes held, each once, in their order in ``pk``/``pv``."""
+        return list(self.bank)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -742,8 +747,7 @@ class WorkingKV:
     @property
     def nbytes(self) -> int:
         """Bytes the prefixes and the rows occupy (allocated, including room to grow)."""
-        held = sum(h.k.numel() for h in self.prefixes)
-        return 2 * (self.k.numel() + held) * self.k.element_size()
+        return 2 * (self.k.numel() + self.pk.numel()) * self.k.element_size()
 
     def check(self, tables: Sequence[PageTable]) -> None:
         """PoolError unless every row serving one of ``tables`` (and still matching its
@@ -779,6 +783,7 @@ class WorkingKV:
                 and torch.equal(t.slots[:s.numel()], s) and _held(h) % align == 0]
         if keep != list(range(len(self.tables))):
             self._compact(keep)
+            self._release()
         rows, held = list(self.tables), list(self.held)  # after this sync: kept rows, then new
         have = {id(t) for t in rows}
         for t in tables:
@@ -789,6 +794,7 @@ class WorkingKV:
         for r, (t, h) in enumerate(zip(rows, held, strict=True)):
             if r >= len(self.tables) or h is not self.held[r]:
                 self._fill(r, t, h)
+        self._release()  # a group whose last row joined a new one
         return [index[id(t)] for t in self.tables]
 
     def _group(self, t: PageTable, rows: list[PageTable], held: list[HeldPrefix | None],
@@ -805,9 +811,54 @@ class WorkingKV:
             return None
         if joins:
             return held[r]
-        k, v = self._pool_kv(t.slots[:n])
-        held[r] = HeldPrefix(t.slots[:n], k.contiguous(), v.contiguous())
+        held[r] = self._hold(t.slots[:n])
         return held[r]
+
+    def _hold(self, slots: torch.Tensor) -> HeldPrefix:
+        """A new prefix at ``slots``, in the next place of ``pk``/``pv``: its K/V from the
+        pool, finite zeros after it (read behind ``PrefixGroups``' mask)."""
+        g, n = len(self.bank), slots.numel()
+        self._reserve_prefixes(g + 1, n)
+        for buf, kv in zip((self.pk, self.pv), self._pool_kv(slots), strict=True):
+            buf[:, g, :, :n] = kv
+            buf[:, g, :, n:] = 0
+        self.bank.append(HeldPrefix(slots, self.pk[:, g, :, :n], self.pv[:, g, :, :n]))
+        return self.bank[-1]
+
+    def _release(self) -> None:
+        """Let go of the prefixes no row reads now. As ``_compact`` does for rows, each kept
+        prefix past the end moves into a released one's place (its positions only)."""
+        live = {id(h) for h in self.held if h is not None}
+        keep = [g for g, h in enumerate(self.bank) if id(h) in live]
+        if len(keep) == len(self.bank):
+            return
+        n, kept = len(keep), set(keep)
+        holes = [g for g in range(n) if g not in kept]
+        for dst, src in zip(holes, [g for g in keep if g >= n], strict=True):
+            h = self.bank[src]
+            for buf in (self.pk, self.pv):
+                buf[:, dst, :, :len(h)] = buf[:, src, :, :len(h)]
+            self.bank[dst] = h
+            h.k, h.v = self.pk[:, dst, :, :len(h)], self.pv[:, dst, :, :len(h)]
+        self.bank = self.bank[:n]
+
+    def _reserve_prefixes(self, groups: int, positions: int) -> None:
+        """Room in ``pk``/``pv`` for ``groups`` prefixes of up to ``positions``, regrown as
+        ``_reserve`` regrows the rows; the prefixes held move, and their views with them."""
+        _, have, _, have_pos, _ = self.pk.shape
+        if groups <= have and positions <= have_pos:
+            return
+        groups, positions = max(groups, have), max(positions, have_pos)
+        groups, positions = 1 << (groups - 1).bit_length(), -(-positions // self.grow) * self.grow
+        n = len(self.bank)
+        for name in ("pk", "pv"):
+            old = getattr(self, name)
+            grown = old.new_empty(old.shape[0], groups, old.shape[2], positions, old.shape[4])
+            grown[:, :n, :, :have_pos] = old[:, :n]
+            grown[:, :n, :, have_pos:] = 0
+            setattr(self, name, grown)
+        for g, h in enumerate(self.bank):
+            h.k, h.v = self.pk[:, g, :, :len(h)], self.pv[:, g, :, :len(h)]
 
     def _fill(self, r: int, t: PageTable, h: HeldPrefix | None) -> None:
         """Row ``r`` (appended if it is the next) serves ``t`` behind prefix ``h``: the one
@@ -884,12 +935,15 @@ class WorkingKV:
             mask = torch.zeros(n, 1, 1, width, dtype=self.pool.dtype, device=device)
             mask.masked_fill_((torch.arange(width) > own[:, None]).view(n, 1, 1, width)
                               .to(device), float("-inf"))
-        groups = [(_as_rows(_rows_of(self.held, h), device), h) for h in self.prefixes]
-        if deterministic:  # the rows of no group: a prefix of none
+        rows_of = [_rows_of(self.held, h) for h in self.bank]
+        groups = PrefixGroups.of(rows_of, [len(h) for h in self.bank], self.pk.dtype, device)
+        if deterministic:  # each group's rows, and the rows of no group (a prefix of none)
             alone = _rows_of(self.held, None)
-            blocks = groups + ([(_as_rows(alone, device), None)] if alone else [])
+            blocks = [(_as_rows(r, device), h) for r, h in zip(rows_of, self.bank, strict=True)]
+            blocks += [(_as_rows(alone, device), None)] if alone else []
             pos = lengths.view(n, 1).to(device)
         span = min(-(-width // CHUNK) * CHUNK, self.k.shape[3])
+        g, p = len(self.bank), max(map(len, self.bank), default=0)
 
         def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
             keys, values = self.k[layer], self.v[layer]
@@ -897,8 +951,8 @@ class WorkingKV:
             values[rows, :, column] = v[:, :, 0]
             if not deterministic:
                 return cascade_decode(q, keys[:n, :, :width], values[:n, :, :width], mask,
-                                      [(r, h.k[layer], h.v[layer]) for r, h in groups],
-                                      scale).reshape(n, 1, -1)
+                                      self.pk[layer, :g, :, :p], self.pv[layer, :g, :, :p],
+                                      groups, scale).reshape(n, 1, -1)
             out = q.new_empty(n, 1, q.shape[1], q.shape[3])
             for r, h in blocks:  # whole chunks of the rows (past ``width``: masked)
                 pk, pv = ((keys[0, :, :0], values[0, :, :0]) if h is None
@@ -924,36 +978,71 @@ class WorkingKV:
         return out
 
 
+@dataclass(frozen=True)
+class PrefixGroups:
+    """Which rows of a decode batch read which of ``G`` held prefixes, laid out for one
+    attention call over all of them: ``index`` ``[G, m]`` each group's rows (a group of
+    fewer than ``m`` padded with its first row), ``real`` the places in ``index.view(-1)``
+    that are not padding, ``rows`` the row numbers there, and ``mask`` ``[G, 1, 1, P]``
+    (additive: ``-inf`` past a shorter prefix's end) or None when all ``G`` are ``P`` long."""
+
+    index: torch.Tensor
+    real: torch.Tensor
+    rows: torch.Tensor
+    mask: torch.Tensor | None
+
+    @classmethod
+    def of(cls, groups: Sequence[Sequence[int]], lengths: Sequence[int],
+           dtype: torch.dtype = torch.float32,
+           device: torch.device | str | None = None) -> PrefixGroups | None:
+        """The layout for ``groups[i]``, the rows behind prefix ``i`` of ``lengths[i]``
+        positions (None for no groups)."""
+        if not groups:
+            return None
+        m, p = max(map(len, groups)), max(lengths)
+        index = torch.tensor([[*g, *[g[0]] * (m - len(g))] for g in groups], device=device)
+        real = torch.tensor([i * m + j for i, g in enumerate(groups) for j in range(len(g))],
+                            device=device)
+        mask = None
+        if min(lengths) < p:
+            past = torch.arange(p) >= torch.tensor(lengths)[:, None]
+            mask = torch.zeros(len(groups), 1, 1, p, dtype=dtype).masked_fill_(
+                past[:, None, None], float("-inf")).to(device)
+        return cls(index, real, index.view(-1)[real], mask)
+
+
 def cascade_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   mask: torch.Tensor | None,
-                   prefixes: Sequence[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]],
+                   mask: torch.Tensor | None, prefix_k: torch.Tensor | None,
+                   prefix_v: torch.Tensor | None, groups: PrefixGroups | None,
                    scale: float) -> torch.Tensor:
     """Decode attention of ``query`` ``[b, heads, 1, head_dim]`` over each sequence's own
     ``key``, ``value`` ``[b, kv_heads, n, head_dim]`` (``mask`` as in ``attention_lse``)
-    and, for the sequences ``rows`` of each ``(rows, prefix_k, prefix_v)``, the prefix
-    ``[kv_heads, P, head_dim]`` they share before those: ``[b, 1, heads, head_dim]``.
+    and, for the rows of each of ``groups``, the prefix ``prefix_k``, ``prefix_v``
+    ``[G, kv_heads, P, head_dim]`` they share before those: ``[b, 1, heads, head_dim]``.
 
     ``shared_prefix_attention`` with one prefix per group of sequences: each prefix is read
-    once, by all its group's query rows of a K/V head in one attention, and merged into
-    their own half through the two log-sum-exps; a sequence in no group sees its own keys.
+    once, by all its group's query rows of a K/V head, the ``G`` prefixes in one attention
+    call (its batch), and merged into their own half through the two log-sum-exps; a
+    sequence in no group sees its own keys.
     """
     b, heads, _, d = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
     q = query.reshape(b, kv_heads, group, d)  # the query heads of a K/V head: its rows
     out, lse = attention_lse(q, key, value, mask, scale)
-    if prefixes:
+    if groups is not None:
+        g, m = groups.index.shape
+        rows = q[groups.index.view(-1)].view(g, m, kv_heads, group, d)
+        rows = rows.permute(0, 2, 1, 3, 4).reshape(g, kv_heads, m * group, d)
+        p_out, p_lse = attention_lse(rows, prefix_k, prefix_v, groups.mask, scale)
+        p_out = p_out.view(g, kv_heads, m, group, d).transpose(1, 2).reshape(
+            g * m, kv_heads, group, d)[groups.real]  # [rows, kv_heads, group, d]
+        p_lse = p_lse.view(g, kv_heads, m, group).transpose(1, 2).reshape(
+            g * m, kv_heads, group)[groups.real]
         exact = torch.promote_types(query.dtype, torch.float32)  # bf16 merges in fp32
-        out = out.to(exact)
-        for rows, pk, pv in prefixes:
-            part = q[rows].transpose(0, 1)  # [kv_heads, rows, group, d]
-            m = part.shape[1]
-            p_out, p_lse = attention_lse(part.reshape(1, kv_heads, m * group, d), pk[None],
-                                         pv[None], None, scale)
-            p_out = p_out.view(kv_heads, m, group, d).transpose(0, 1).to(exact)
-            p_lse = p_lse.view(kv_heads, m, group).transpose(0, 1)
-            weight = torch.sigmoid(p_lse - lse[rows]).unsqueeze(-1).to(exact)
-            out[rows] = torch.lerp(out[rows], p_out, weight)
+        out, r = out.to(exact), groups.rows
+        weight = torch.sigmoid(p_lse - lse[r]).unsqueeze(-1).to(exact)
+        out[r] = torch.lerp(out[r], p_out.to(exact), weight)
     return out.to(query.dtype).reshape(b, heads, 1, d).transpose(1, 2)
 
 

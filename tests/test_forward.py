@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 import minirt.forward as forward
 from minirt.errors import ModelError, PoolError
 from minirt.forward import (
+    PrefixGroups,
     WorkingKV,
     aligned_attention,
     attention_lse,
+    cascade_decode,
     forward_paged,
     is_llama,
     llama_forward,
@@ -78,6 +80,37 @@ def test_attention_split_at_a_shared_prefix_is_whole_attention(monkeypatch, kern
     repeated = attention_lse(square, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
                              None, 0.3, causal=True)  # the heads repeated by the caller
     assert torch.equal(repeated[0], out) and torch.equal(repeated[1], lse)
+
+
+def test_cascade_decode_reads_every_groups_prefix_in_one_call(monkeypatch):
+    """``cascade_decode``: rows behind two prefixes of different lengths, in one attention
+    call over both (the shorter one's finite garbage past its end masked), and rows in no
+    group, behind ragged own keys, equal attention over each row's whole keys."""
+    gen = torch.Generator().manual_seed(8)
+    b, kv_heads, group, d, n = 5, 2, 3, 8, 6
+    q = torch.randn(b, kv_heads * group, 1, d, generator=gen)
+    own_k, own_v = torch.randn(2, b, kv_heads, n, d, generator=gen)
+    own = torch.tensor([6, 3, 5, 2, 4])  # own keys each row sees
+    mask = (torch.arange(n) < own[:, None])[:, None, None]
+    lengths = [7, 4]
+    pk, pv = torch.randn(2, 2, kv_heads, 7, d, generator=gen)  # prefix 1: 3 positions past it
+    rows = [[0, 3], [2]]  # rows 1 and 4: no prefix
+    groups = PrefixGroups.of(rows, lengths)
+    calls = []
+    monkeypatch.setattr(forward, "attention_lse",
+                        lambda *a, f=forward.attention_lse, **k: calls.append(1) or f(*a, **k))
+    got = cascade_decode(q, own_k, own_v, mask, pk, pv, groups, 0.4)
+    assert len(calls) == 2  # the own keys, then both prefixes at once
+    for r in range(b):
+        g = [i for i, members in enumerate(rows) if r in members]
+        keys, values = own_k[r, :, :own[r]], own_v[r, :, :own[r]]
+        if g:
+            keys = torch.cat([pk[g[0], :, :lengths[g[0]]], keys], 1)
+            values = torch.cat([pv[g[0], :, :lengths[g[0]]], values], 1)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[r:r + 1], keys[None], values[None], scale=0.4, enable_gqa=True)
+        torch.testing.assert_close(got[r], want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    assert PrefixGroups.of([], []) is None and PrefixGroups.of([[1], [0]], [3, 3]).mask is None
 
 
 @pytest.mark.parametrize("which", ["tiny_model", "default model"])

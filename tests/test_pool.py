@@ -395,12 +395,30 @@ def test_working_kv_holds_each_groups_prefix_once(model):
             torch.testing.assert_close(lg, model(seqs[r][None]).logits[0, -1],
                                        atol=1e-5, rtol=1e-5)
             last[r] = lg.argmax().reshape(1)
+    saved = pool.k[0, int(xs[1])].clone()
     pool.k[0, int(xs[1])] += 1.0
     with pytest.raises(PoolError, match="prefix differs from the pool"):
         working.check([tables[0]])
     row = [id(t) for t in working.tables].index(id(tables[2]))
     with pytest.raises(PoolError, match=f"row {row} differs from the pool"):
         working.check([tables[2]])  # it holds that slot in its own row
+    pool.k[0, int(xs[1])] = saved
+    # Idle, then the two groups again: the buffers are taken again, and whatever they held
+    # (NaN here) is never read, past the shorter prefix's end included.
+    pk = working.pk
+    working.clear()
+    with torch.inference_mode():
+        for buf in (working.k, working.v, working.pk, working.pv):
+            buf.fill_(float("nan"))
+    rows = [3, 4, 0, 1]
+    for r in rows:
+        tables[r].append(pool.alloc(1))
+    got = forward_paged(model, pool, [tables[r] for r in rows], [last[r] for r in rows],
+                        working=working)
+    assert sorted(len(h) for h in working.prefixes) == [6, 7] and working.pk is pk
+    for r, lg in zip(rows, got, strict=True):
+        seqs[r] = torch.cat([seqs[r], last[r]])
+        torch.testing.assert_close(lg, model(seqs[r][None]).logits[0, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_working_kv_min_prefix(model):
