@@ -24,6 +24,8 @@
    prefixes of 512 tokens, 64 of their own each), through minirt's ``Engine.generate`` and
    then vLLM's offline ``LLM`` (in ``.venv-vllm``, ``benchmarks/vllm_decode.py``), measured
    the same way on both: a call of 34 tokens less one of 2, over 32, fresh prompts each.
+5. ``--vllm`` also: those steps' GEMMs alone, minirt's kernel against vLLM's (one
+   process, alternated, random weights at the model's shapes: ``vllm_decode.gemm_steps``).
 
 Timings on a shared machine are noisy: run it on a quiet one; the load average is printed.
 """
@@ -200,19 +202,40 @@ def vllm_side_by_side(model, repeats: int) -> None:
     spec = serve_bench_batches(model.config.vocab_size, repeats)
     mine = engine_decode_steps(model, spec)
     spec_file, out = (Path(tempfile.mkstemp(suffix=".json")[1]) for _ in range(2))
-    spec_file.write_text(json.dumps({**spec, "model_path": str(fetch_default_model())}))
+    spec_file.write_text(json.dumps({**spec, "model_path": str(fetch_default_model()),
+                                     "gemms": gemm_shapes(model)}))
     done = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_decode.py")),
                            str(spec_file), str(out)], capture_output=True, text=True,
                           env={**os.environ, **VLLM_ENV})
     if done.returncode != 0:
         sys.exit(f"vllm_decode.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    theirs = json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    theirs = result["steps"]
     print(f"\n4. The decode step behind serve_bench's 4 prefixes (512 + 64 tokens each), "
           f"ms, median of {repeats}: ({LONG}-token call - {SHORT}-token call) / {LONG - SHORT}")
     print(f"   {'requests':>8} {'vLLM':>8} {'minirt':>8} {'minirt/vLLM':>12}")
     for b in spec["batches"]:
         print(f"   {b:>8} {theirs[b] * 1e3:8.1f} {mine[b] * 1e3:8.1f} "
               f"{mine[b] / theirs[b]:12.2f}")
+    print(f"\n5. The same steps' GEMMs alone ({len(result['gemms'])} batch sizes; "
+          "random weights at the model's shapes, the two kernels alternated in one "
+          "process), ms per step:")
+    print(f"   {'requests':>8} {'vLLM onednn_mm':>15} {'minirt packed':>14} {'minirt/vLLM':>12}")
+    for b, t in result["gemms"].items():
+        print(f"   {b:>8} {t['vllm'] * 1e3:15.1f} {t['minirt'] * 1e3:14.1f} "
+              f"{t['minirt'] / t['vllm']:12.2f}")
+
+
+def gemm_shapes(model) -> dict:
+    """The decode step's GEMMs as ``vllm_decode.gemm_steps`` takes them: [out, in] of the
+    fused q/k/v, o, fused gate/up and down projections, the layer count, and the head."""
+    c = model.config
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    h, f = c.hidden_size, c.intermediate_size
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * d
+    return {"shapes": [[qkv, h], [h, c.num_attention_heads * d], [2 * f, h], [h, f]],
+            "layers": c.num_hidden_layers, "head": [c.vocab_size, h],
+            "rows": list(DECODE_BATCHES)}
 
 
 def main() -> None:

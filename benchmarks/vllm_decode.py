@@ -6,8 +6,16 @@ and runs this with ``vs_vllm.VLLM_ENV``).
 
 For each batch size and repeat, one ``generate`` call of ``short`` tokens and one of
 ``long``, on fresh prompts behind the cached prefixes; their difference over ``long -
-short`` is the decode step, prefill and scheduling of admission cancelling out. Imports
-nothing of minirt's: this file runs in vLLM's environment.
+short`` is the decode step, prefill and scheduling of admission cancelling out.
+
+Then the decode step's GEMMs alone: for each batch size, one step's matrix products at the
+model's shapes (``spec["gemms"]``: per layer fused q/k/v, o, fused gate/up and down, then
+the output head), through the kernel minirt calls (torch's
+``mkldnn._linear_pointwise`` on a prepacked weight, ``minirt/model.py: _linear``) and the
+one vLLM selects for a float32 Linear on a CPU without AMX or zentorch (``_C.onednn_mm``,
+vllm 0.32.0 `model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm`), alternated
+in this one process on the same random weights. Imports nothing of minirt's: this file
+runs in vLLM's environment.
 """
 
 from __future__ import annotations
@@ -44,7 +52,42 @@ def main(spec_path: str, out_path: str) -> None:
                  / (spec["long"] - spec["short"]) for short, long in reps]
         result[batch] = statistics.median(steps)
     with open(out_path, "w") as f:
-        json.dump(result, f)
+        json.dump({"steps": result, "gemms": gemm_steps(spec["gemms"])}, f)
+
+
+def gemm_steps(spec: dict, rounds: int = 5, calls: int = 20) -> dict[str, dict[str, float]]:
+    """Per batch size in ``spec["rows"]``: seconds for one decode step's GEMMs (``layers`` x
+    the per-layer ``shapes`` [out, in], plus the ``head``), minirt's kernel and vLLM's, the
+    best of ``rounds`` alternated rounds of ``calls`` steps each."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(0)  # a weight per layer and shape, as a step reads them all from memory
+    shapes = [*[tuple(s) for s in spec["shapes"]] * spec["layers"], tuple(spec["head"])]
+    weights = [torch.randn(*s) / s[1] ** 0.5 for s in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    handlers = [ops.create_onednn_mm(w.t(), 32) for w in weights]
+    kernels = {
+        "minirt": lambda i, x: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none",
+                                                                  [], ""),
+        "vllm": lambda i, x: ops.onednn_mm(handlers[i], x, None),
+    }
+    result = {}
+    for rows in spec["rows"]:
+        inputs = {s: torch.randn(rows, s[1]) for s in set(shapes)}
+        for i, s in enumerate(shapes[-5:], len(shapes) - 5):  # the same products
+            torch.testing.assert_close(kernels["minirt"](i, inputs[s]),
+                                       kernels["vllm"](i, inputs[s]), rtol=1e-4, atol=1e-4)
+        best = {name: float("inf") for name in kernels}
+        for _ in range(rounds):
+            for name, kernel in kernels.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    for i, s in enumerate(shapes):
+                        kernel(i, inputs[s])
+                best[name] = min(best[name], (time.perf_counter() - start) / calls)
+        result[str(rows)] = best
+    return result
 
 
 if __name__ == "__main__":
