@@ -1,5 +1,6 @@
 """What the model-timing benchmarks share: torch's threads, the model, the machine line,
-and the profiler's split of a step into GEMMs, attention, K/V traffic and the rest."""
+the profiler's split of a step into GEMMs, attention, K/V traffic and the rest, and
+running a peer script in vLLM's environment."""
 
 from __future__ import annotations
 
@@ -8,6 +9,31 @@ import os
 import torch
 
 from minirt.model import load_model
+
+
+def run_in_vllm(script: str, spec: dict) -> dict:
+    """Run ``benchmarks/<script>`` in ``.venv-vllm`` (``vs_vllm.VLLM_ENV``) on ``spec``, the
+    model's path added, and return the JSON it writes; exit with its stderr if it fails."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from vs_vllm import VLLM_ENV, VLLM_PYTHON
+
+    from minirt.model import fetch_default_model
+
+    if not VLLM_PYTHON.exists():
+        sys.exit(f"{VLLM_PYTHON} is missing: `make peer-vllm` builds .venv-vllm")
+    spec_file, out = (Path(tempfile.mkstemp(suffix=".json")[1]) for _ in range(2))
+    spec_file.write_text(json.dumps({**spec, "model_path": str(fetch_default_model())}))
+    done = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name(script)),
+                           str(spec_file), str(out)], capture_output=True, text=True,
+                          env={**os.environ, **VLLM_ENV})
+    if done.returncode != 0:
+        sys.exit(f"{script} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
 
 
 def timing_model(threads: int | None):

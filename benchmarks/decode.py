@@ -39,7 +39,7 @@ import sys
 import time
 
 import torch
-from _setup import print_split, timing_model
+from _setup import print_split, run_in_vllm, timing_model
 
 from minirt.engine import Engine, Request
 from minirt.forward import WorkingKV
@@ -188,28 +188,9 @@ def engine_decode_steps(model, spec: dict) -> dict[str, float]:
 def vllm_side_by_side(model, repeats: int) -> None:
     """The decode step at serve_bench's batches, minirt's then vLLM's (``vllm_decode.py``
     in ``.venv-vllm``), with minirt/vLLM."""
-    import json
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from vs_vllm import VLLM_ENV, VLLM_PYTHON
-
-    from minirt.model import fetch_default_model
-
-    if not VLLM_PYTHON.exists():
-        sys.exit(f"{VLLM_PYTHON} is missing: `make peer-vllm` builds .venv-vllm")
     spec = serve_bench_batches(model.config.vocab_size, repeats)
     mine = engine_decode_steps(model, spec)
-    spec_file, out = (Path(tempfile.mkstemp(suffix=".json")[1]) for _ in range(2))
-    spec_file.write_text(json.dumps({**spec, "model_path": str(fetch_default_model()),
-                                     "gemms": gemm_shapes(model)}))
-    done = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_decode.py")),
-                           str(spec_file), str(out)], capture_output=True, text=True,
-                          env={**os.environ, **VLLM_ENV})
-    if done.returncode != 0:
-        sys.exit(f"vllm_decode.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    result = json.loads(out.read_text())
+    result = run_in_vllm("vllm_decode.py", {**spec, "gemms": gemm_shapes(model)})
     theirs = result["steps"]
     print(f"\n4. The decode step behind serve_bench's 4 prefixes (512 + 64 tokens each), "
           f"ms, median of {repeats}: ({LONG}-token call - {SHORT}-token call) / {LONG - SHORT}")

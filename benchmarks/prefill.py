@@ -40,7 +40,7 @@ import time
 from unittest import mock
 
 import torch
-from _setup import print_split, timing_model
+from _setup import print_split, run_in_vllm, timing_model
 
 from minirt.engine import Engine, Request
 
@@ -146,27 +146,7 @@ def profile_prefills(model, spec: dict, repeats: int) -> dict[str, dict[str, flo
 def vllm_side_by_side(mine: dict[str, dict[str, float]], spec: dict, repeats: int) -> None:
     """The same prompts through vLLM's offline ``LLM`` (``vllm_prefill.py``, in
     ``.venv-vllm``), run after minirt's; a table of both and minirt/vLLM."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from vs_vllm import VLLM_ENV, VLLM_PYTHON
-
-    from minirt.model import fetch_default_model
-
-    if not VLLM_PYTHON.exists():
-        sys.exit(f"{VLLM_PYTHON} is missing: `make peer-vllm` builds .venv-vllm")
-    spec_file, out = (Path(tempfile.mkstemp(suffix=".json")[1]) for _ in range(2))
-    spec_file.write_text(json.dumps({**spec, "model_path": str(fetch_default_model()),
-                                     "repeats": repeats}))
-    done = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_prefill.py")),
-                           str(spec_file), str(out)], capture_output=True, text=True,
-                          env={**os.environ, **VLLM_ENV})
-    if done.returncode != 0:
-        sys.exit(f"vllm_prefill.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    theirs = json.loads(out.read_text())
+    theirs = run_in_vllm("vllm_prefill.py", {**spec, "repeats": repeats})
     print(f"\nThe same prefills through vLLM's LLM.generate, run after minirt's (median of "
           f"{repeats}; GEMMs and attention under the profiler, ms):")
     print(f"   {'prefill':<30} {'part':<10} {'vLLM':>8} {'minirt':>8} {'minirt/vLLM':>12}")
