@@ -330,11 +330,14 @@ class RequestHandle:
 @dataclass
 class StepOutput:
     """What one ``Engine.step`` did: the tokens it produced, in order, as (rid, token),
-    the requests it admitted (and prefilled) and the requests that finished."""
+    the requests it admitted (and prefilled), the requests that finished, and the seconds
+    it spent admitting and prefilling, and in the decode pass (``minirt.serve --step-log``)."""
 
     tokens: list[tuple[str, int]] = field(default_factory=list)
     admitted: list[RequestHandle] = field(default_factory=list)
     finished: list[RequestHandle] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -532,12 +535,16 @@ class Engine:
         and who was admitted and finished. Does nothing when no request is pending.
         """
         out = StepOutput()
+        start = time.perf_counter()
         self._admit_and_prefill(out, on_token)
+        out.prefill_s = time.perf_counter() - start
         batch = [j for j in self._running if not self._done(j)]
         if batch:
+            start = time.perf_counter()
             self.lifecycle.decode([j.lc for j in batch])
             for job in batch:
                 self._emit(job, out, on_token)
+            out.decode_s = time.perf_counter() - start
             self._check()
         for job in [j for j in self._running if self._done(j)]:
             self._running.remove(job)

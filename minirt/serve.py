@@ -2,6 +2,7 @@
 
     python -m minirt.serve [--port 8000] [--host 127.0.0.1] [--model NAME]
                            [--capacity 8192] [--page-size 1] [--token-budget 2048]
+                           [--step-log FILE]
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``
 (with and without ``stream``), ``GET /metrics`` (Prometheus text: prefix-cache hit and
@@ -188,8 +189,9 @@ class EngineWorker:
     Counters for ``/metrics`` are plain ints it updates.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, step_log: str | os.PathLike | None = None) -> None:
         self.engine = engine
+        self.step_log = step_log  # a JSON line per step, written here (``--step-log``)
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[str, Stream] = {}
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
@@ -340,7 +342,16 @@ class EngineWorker:
         self.streams.clear()
 
     def _run(self) -> None:
+        log = open(self.step_log, "w", buffering=1) if self.step_log else None
+        try:
+            self._loop(log)
+        finally:
+            if log is not None:
+                log.close()
+
+    def _loop(self, log) -> None:
         self.ready.set()
+        origin = time.perf_counter()
         while not self._stop.is_set():
             commands = []
             try:
@@ -353,11 +364,19 @@ class EngineWorker:
             for cmd in commands:
                 self._command(cmd)
             if self.engine.has_work:
+                running, start = len(self.engine.running), time.perf_counter()
                 try:
                     out = self.engine.step(on_token=self._on_token)
                 except Exception as exc:  # pragma: no cover - a bug, not a bad request
                     self._fail_all(exc)
                     continue
+                if log is not None:
+                    log.write(json.dumps({
+                        "start": round(start - origin, 6),
+                        "step_s": round(time.perf_counter() - start, 6),
+                        "prefill_s": round(out.prefill_s, 6), "decode_s": round(out.decode_s, 6),
+                        "running": running, "admitted": len(out.admitted),
+                        "finished": len(out.finished), "tokens": out.num_tokens}) + "\n")
                 for handle in out.admitted:
                     self.counters["prompt_tokens"] += int(handle.lc.prompt.numel())
                     self.counters["cached_tokens"] += handle.cached_tokens
@@ -742,7 +761,8 @@ async def _sse(worker: EngineWorker, stream: Stream, endpoint: str, ident: str,
 
 def make_worker(model: str | None = None, capacity: int = 8192, page_size: int = 1,
                 token_budget: int = 2048, policy: str = "lru", device: str | None = None,
-                deterministic: bool = False) -> tuple[EngineWorker, str, str]:
+                deterministic: bool = False,
+                step_log: str | None = None) -> tuple[EngineWorker, str, str]:
     """Load the model (float32 on CPU) and make its worker, not started: (worker, name,
     path)."""
     import torch
@@ -754,7 +774,7 @@ def make_worker(model: str | None = None, capacity: int = 8192, page_size: int =
     name = str(model or os.environ.get("MINIRT_MODEL") or DEFAULT_MODEL)
     engine = Engine(m, tok, capacity=capacity, page_size=page_size, token_budget=token_budget,
                     policy=policy, deterministic=deterministic)
-    return EngineWorker(engine), name, path
+    return EngineWorker(engine, step_log), name, path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -782,11 +802,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="sent as system_fingerprint, to tell replicas apart behind a router")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="larger request bodies get 413 (default 1 MiB)")
+    p.add_argument("--step-log", default=None, metavar="PATH",
+                   help="write a JSON line per engine step here: when it began, its seconds "
+                        "in admission and prefill and in the decode pass, requests running, "
+                        "admitted and finished (benchmarks/step_log.py sums them up)")
     args = p.parse_args(argv)
 
     worker, name, path = make_worker(args.model, args.capacity, args.page_size,
                                      args.token_budget, args.policy, args.device,
-                                     args.deterministic)
+                                     args.deterministic, args.step_log)
     name = args.served_model_name or name
     app = build_app(worker, name, path, args.server_id, args.max_body_bytes)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -314,9 +315,10 @@ class CharTokenizer:
 
 
 @pytest.fixture(scope="module")
-def tiny_server():
-    """minirt.serve's app over tiny_model in this process: tokens come every few ms, so
-    a gap of 0.5 s without one never happens (the old disconnect check waited for one)."""
+def tiny_server(tmp_path_factory):
+    """minirt.serve's app over tiny_model in this process, with a step log: tokens come
+    every few ms, so a gap of 0.5 s without one never happens (the old disconnect check
+    waited for one)."""
     import socket
 
     import uvicorn
@@ -324,7 +326,8 @@ def tiny_server():
     from minirt.model import tiny_model
     from minirt.serve import EngineWorker, build_app
 
-    worker = EngineWorker(Engine(tiny_model(0), CharTokenizer(), capacity=2048)).start()
+    worker = EngineWorker(Engine(tiny_model(0), CharTokenizer(), capacity=2048),
+                          step_log=tmp_path_factory.mktemp("serve") / "steps.jsonl").start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(build_app(worker, "tiny", "tiny"),
@@ -364,6 +367,44 @@ def test_disconnect_cancels_a_whole_answer_request_whatever_the_token_rate(tiny_
     assert worker.gauges["running"] == 0 and worker.gauges["private"] == 0
     r = httpx.post(base + "/v1/completions", json={**body, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_the_step_log_accounts_for_every_request_and_token(tiny_server):
+    """--step-log: a JSON line per engine step; over two requests sent together, the lines
+    admit both once, carry every token they were sent, and time each part of the step."""
+    import importlib.util
+    from pathlib import Path
+
+    base, worker = tiny_server
+    time.sleep(0.6)  # the engine idle: no step of an earlier test is still being written
+    lines_before = len(Path(worker.step_log).read_text().splitlines())
+    bodies = [{"prompt": [1, 2, 3 + i], "max_tokens": 5 + i, "temperature": 0,
+               "ignore_eos": True} for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda b: httpx.post(base + "/v1/completions", json=b,
+                                                      timeout=60), bodies))
+    assert [a.json()["usage"]["completion_tokens"] for a in answers] == [5, 6]
+    time.sleep(0.2)
+    steps = [json.loads(line) for line in
+             Path(worker.step_log).read_text().splitlines()[lines_before:]]
+    assert sum(s["admitted"] for s in steps) == 2
+    assert sum(s["finished"] for s in steps) == 2
+    assert sum(s["tokens"] for s in steps) == 5 + 6
+    assert all(s["prefill_s"] > 0 for s in steps if s["admitted"])
+    assert all(s["decode_s"] > 0 for s in steps if s["tokens"] > s["admitted"])
+    assert all(s["prefill_s"] + s["decode_s"] <= s["step_s"] for s in steps)
+    assert all(b["start"] >= a["start"] + a["step_s"]
+               for a, b in zip(steps, steps[1:], strict=False))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_log.py"
+    spec = importlib.util.spec_from_file_location("step_log", script)
+    step_log = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_log)
+    assert step_log.bursts(steps, gap=60.0) == [steps]
+    rows = {what: (n, seconds) for what, n, seconds in step_log.summary(steps)}
+    admitting = [s for s in steps if s["admitted"]]
+    n, seconds = rows["admission and prefill"]
+    assert n == len(admitting) and seconds == pytest.approx(sum(s["prefill_s"] for s in admitting))
+    assert rows["decode-only steps"][0] == len(steps) - len(admitting)
 
 
 def _error(r: httpx.Response, status: int) -> dict:

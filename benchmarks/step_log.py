@@ -1,0 +1,92 @@
+"""Where a server's engine time went, from ``minirt.serve --step-log``'s JSON lines.
+
+    python -m minirt.serve --step-log steps.jsonl ...   # then load it, then stop it
+    python benchmarks/step_log.py steps.jsonl [--gap 1.0] [--steps]
+
+The log splits into bursts wherever the engine sat idle for more than ``--gap`` seconds
+(one benchmark run after another, say). For each burst: steps that admitted requests
+(their admission and prefill, then their decode pass when requests were already
+running), steps that only decoded, and the time between steps (the engine idle, waiting
+for requests), with each one's share of the burst's span. ``--steps`` also lists every
+admitting step. What a mixed prefill-and-decode step could win back is at most the decode
+passes of the admitting steps that had requests running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def read(path: str | Path) -> list[dict]:
+    """The log's steps, in order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+def bursts(steps: list[dict], gap: float) -> list[list[dict]]:
+    """``steps`` cut wherever the engine was idle for more than ``gap`` seconds."""
+    out: list[list[dict]] = []
+    for s in steps:
+        if not out or s["start"] - (out[-1][-1]["start"] + out[-1][-1]["step_s"]) > gap:
+            out.append([])
+        out[-1].append(s)
+    return out
+
+
+def summary(steps: list[dict]) -> list[tuple[str, int, float]]:
+    """(what, steps, seconds) rows: admitting steps' prefill and decode passes, decode-only
+    steps, the idle time between steps, and the whole span."""
+    if not steps:
+        raise SystemExit("the step log is empty: no step ran while it was written")
+    admitting = [s for s in steps if s["admitted"]]
+    joined = [s for s in admitting if s["running"]]
+    decoding = [s for s in steps if not s["admitted"]]
+    ends = [s["start"] + s["step_s"] for s in steps]
+    idle = sum(max(0.0, b["start"] - end) for b, end in zip(steps[1:], ends, strict=False))
+    return [
+        ("admission and prefill", len(admitting), sum(s["prefill_s"] for s in admitting)),
+        ("decode pass, admitting steps with requests running", len(joined),
+         sum(s["decode_s"] for s in joined)),
+        ("decode pass, other admitting steps", len(admitting) - len(joined),
+         sum(s["decode_s"] for s in admitting if not s["running"])),
+        ("decode-only steps", len(decoding), sum(s["step_s"] for s in decoding)),
+        ("idle between steps", len(steps) - 1, idle),
+        ("span of the burst", len(steps), ends[-1] - steps[0]["start"]),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("log", help="the file minirt.serve --step-log wrote")
+    p.add_argument("--gap", type=float, default=1.0,
+                   help="idle seconds that end a burst (default 1.0)")
+    p.add_argument("--steps", action="store_true", help="also list every admitting step")
+    args = p.parse_args()
+    for i, burst in enumerate(bursts(read(args.log), args.gap), 1):
+        print(f"burst {i}, from {burst[0]['start']:.1f} s:")
+        print_burst(burst, args.steps)
+
+
+def print_burst(steps: list[dict], every: bool) -> None:
+    rows = summary(steps)
+    span = rows[-1][2]
+    print(f"   {'':<52} {'steps':>6} {'seconds':>8} {'share':>6}")
+    for what, n, seconds in rows:
+        print(f"   {what:<52} {n:>6} {seconds:8.2f} {seconds / span:6.1%}")
+    decoding = [s["step_s"] for s in steps if not s["admitted"]]
+    if decoding:
+        print(f"   decode-only step: median {statistics.median(decoding) * 1e3:.1f} ms")
+    print(f"   requests admitted per admitting step: "
+          f"{[s['admitted'] for s in steps if s['admitted']]}")
+    if every:
+        print(f"   {'start s':>8} {'running':>7} {'admitted':>8} {'prefill ms':>10} "
+              f"{'decode ms':>9}")
+        for s in steps:
+            if s["admitted"]:
+                print(f"   {s['start']:8.2f} {s['running']:7} {s['admitted']:8} "
+                      f"{s['prefill_s'] * 1e3:10.0f} {s['decode_s'] * 1e3:9.0f}")
+
+if __name__ == "__main__":
+    main()
