@@ -208,14 +208,18 @@ def vllm_side_by_side(model, repeats: int) -> None:
 
 
 def gemm_shapes(model) -> dict:
-    """The decode step's GEMMs as ``vllm_decode.gemm_steps`` takes them: [out, in] of the
-    fused q/k/v, o, fused gate/up and down projections, the layer count, and the head."""
-    c = model.config
-    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    h, f = c.hidden_size, c.intermediate_size
-    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * d
-    return {"shapes": [[qkv, h], [h, c.num_attention_heads * d], [2 * f, h], [h, f]],
-            "layers": c.num_hidden_layers, "head": [c.vocab_size, h],
+    """The decode step's GEMMs as ``vllm_decode.gemm_steps`` takes them, read off the
+    model's own weights: [out, in] of the fused q/k/v, o, fused gate/up and down
+    projections of a layer, the layer count, and the head."""
+    layers = model.model.layers
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+
+    def stacked(*linears) -> list[int]:  # the rows of one fused GEMM
+        return [sum(lin.out_features for lin in linears), linears[0].in_features]
+
+    return {"shapes": [stacked(attn.q_proj, attn.k_proj, attn.v_proj), stacked(attn.o_proj),
+                       stacked(mlp.gate_proj, mlp.up_proj), stacked(mlp.down_proj)],
+            "layers": len(layers), "head": stacked(model.lm_head),
             "rows": list(DECODE_BATCHES)}
 
 

@@ -25,11 +25,16 @@ def read(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
 
 
+def end(step: dict) -> float:
+    """When ``step`` ended, in the log's seconds."""
+    return step["start"] + step["step_s"]
+
+
 def bursts(steps: list[dict], gap: float) -> list[list[dict]]:
     """``steps`` cut wherever the engine was idle for more than ``gap`` seconds."""
     out: list[list[dict]] = []
     for s in steps:
-        if not out or s["start"] - (out[-1][-1]["start"] + out[-1][-1]["step_s"]) > gap:
+        if not out or s["start"] - end(out[-1][-1]) > gap:
             out.append([])
         out[-1].append(s)
     return out
@@ -43,8 +48,7 @@ def summary(steps: list[dict]) -> list[tuple[str, int, float]]:
     admitting = [s for s in steps if s["admitted"]]
     joined = [s for s in admitting if s["running"]]
     decoding = [s for s in steps if not s["admitted"]]
-    ends = [s["start"] + s["step_s"] for s in steps]
-    idle = sum(max(0.0, b["start"] - end) for b, end in zip(steps[1:], ends, strict=False))
+    idle = sum(max(0.0, b["start"] - end(a)) for a, b in zip(steps, steps[1:], strict=False))
     return [
         ("admission and prefill", len(admitting), sum(s["prefill_s"] for s in admitting)),
         ("decode pass, admitting steps with requests running", len(joined),
@@ -53,7 +57,7 @@ def summary(steps: list[dict]) -> list[tuple[str, int, float]]:
          sum(s["decode_s"] for s in admitting if not s["running"])),
         ("decode-only steps", len(decoding), sum(s["step_s"] for s in decoding)),
         ("idle between steps", len(steps) - 1, idle),
-        ("span of the burst", len(steps), ends[-1] - steps[0]["start"]),
+        ("span of the burst", len(steps), end(steps[-1]) - steps[0]["start"]),
     ]
 
 
@@ -87,6 +91,7 @@ def print_burst(steps: list[dict], every: bool) -> None:
             if s["admitted"]:
                 print(f"   {s['start']:8.2f} {s['running']:7} {s['admitted']:8} "
                       f"{s['prefill_s'] * 1e3:10.0f} {s['decode_s'] * 1e3:9.0f}")
+
 
 if __name__ == "__main__":
     main()
