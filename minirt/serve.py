@@ -192,6 +192,7 @@ class EngineWorker:
     def __init__(self, engine: Engine, step_log: str | os.PathLike | None = None) -> None:
         self.engine = engine
         self.step_log = step_log  # a JSON line per step, written here (``--step-log``)
+        self._log = open(step_log, "w", buffering=1) if step_log else None  # fails here, early
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[str, Stream] = {}
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
@@ -217,6 +218,8 @@ class EngineWorker:
         try:
             self._run()
         finally:
+            if self._log is not None:
+                self._log.close()
             self._exited.set()
 
     def stop(self) -> None:
@@ -342,14 +345,6 @@ class EngineWorker:
         self.streams.clear()
 
     def _run(self) -> None:
-        log = open(self.step_log, "w", buffering=1) if self.step_log else None
-        try:
-            self._loop(log)
-        finally:
-            if log is not None:
-                log.close()
-
-    def _loop(self, log) -> None:
         self.ready.set()
         origin = time.perf_counter()
         while not self._stop.is_set():
@@ -370,8 +365,8 @@ class EngineWorker:
                 except Exception as exc:  # pragma: no cover - a bug, not a bad request
                     self._fail_all(exc)
                     continue
-                if log is not None:
-                    log.write(json.dumps({
+                if self._log is not None:
+                    self._log.write(json.dumps({
                         "start": round(start - origin, 6),
                         "step_s": round(time.perf_counter() - start, 6),
                         "prefill_s": round(out.prefill_s, 6), "decode_s": round(out.decode_s, 6),
@@ -807,6 +802,8 @@ def main(argv: list[str] | None = None) -> None:
                         "in admission and prefill and in the decode pass, requests running, "
                         "admitted and finished (benchmarks/step_log.py sums them up)")
     args = p.parse_args(argv)
+    if args.step_log and not Path(args.step_log).resolve().parent.is_dir():
+        p.error(f"--step-log {args.step_log}: no such directory")  # before the model loads
 
     worker, name, path = make_worker(args.model, args.capacity, args.page_size,
                                      args.token_budget, args.policy, args.device,

@@ -407,6 +407,21 @@ def test_the_step_log_accounts_for_every_request_and_token(tiny_server):
     assert rows["decode-only steps"][0] == len(steps) - len(admitting)
 
 
+def test_a_step_log_that_cannot_be_written_fails_at_once(tmp_path, capsys):
+    """An unwritable --step-log is refused before the model loads, and an EngineWorker
+    given one raises when made (it used to die on its thread, and start() waited forever)."""
+    from minirt.model import tiny_model
+    from minirt.serve import EngineWorker
+    from minirt.serve import main as serve_main
+
+    missing = tmp_path / "no such folder" / "steps.jsonl"
+    with pytest.raises(SystemExit) as exit_:
+        serve_main(["--step-log", str(missing)])
+    assert exit_.value.code == 2 and "--step-log" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError):
+        EngineWorker(Engine(tiny_model(0), CharTokenizer(), capacity=64), step_log=missing)
+
+
 def _error(r: httpx.Response, status: int) -> dict:
     assert r.status_code == status, (r.status_code, r.text)
     err = r.json()["error"]
