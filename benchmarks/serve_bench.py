@@ -17,7 +17,8 @@ same ones. minirt's pool holds as many tokens as vLLM's KV space (``VLLM_CPU_KVC
 GiB, in vLLM's blocks of 128).
 
 Per dataset and concurrency (medians over ``--reps``): duration, output tokens/s, median
-and P99 TTFT, median TPOT, minirt/vLLM for each, and the prompt tokens each server says
+and P99 TTFT, median TPOT, median end-to-end latency (E2EL: TTFT and decode, the
+request's whole wait), minirt/vLLM for each, and the prompt tokens each server says
 its prefix cache supplied (``/metrics``). Where the two servers' greedy texts differ,
 the plain transformers model (fp32, no cache) decodes the prompt greedily, and the first
 token at which a server leaves that reference must be one where the reference's two best
@@ -51,9 +52,10 @@ DATASETS = {
     "random": ["--random-input-len", "576", "--random-output-len", str(OUTPUT_LEN),
                "--random-range-ratio", "0"],
 }
-METRICS = [("duration", "duration s", 1.0), ("output_throughput", "output tok/s", 1.0),
-           ("median_ttft_ms", "median TTFT ms", 1.0), ("p99_ttft_ms", "P99 TTFT ms", 1.0),
-           ("median_tpot_ms", "median TPOT ms", 1.0)]
+METRICS = [("duration", "duration s"), ("output_throughput", "output tok/s"),
+           ("median_ttft_ms", "median TTFT ms"), ("p99_ttft_ms", "P99 TTFT ms"),
+           ("median_tpot_ms", "median TPOT ms"),
+           ("median_e2el_ms", "median E2EL ms")]  # a request's latency: TTFT + its decode
 HIT_COUNTERS = ("minirt_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 TIE = 0.01  # logits (of about 20 in size) this close are a near tie between two tokens
 
@@ -101,7 +103,7 @@ def client(plan_path: str, out_path: str) -> None:
         before = cache_hits(run["base_url"])
         res = main(args)
         results.append({**{k: run[k] for k in ("server", "dataset", "concurrency", "rep")},
-                        **{k: res[k] for k, _, _ in METRICS},
+                        **{k: res[k] for k, _ in METRICS},
                         "completed": res["completed"], "failed": res["failed"],
                         "errors": [e for e in res["errors"] if e],
                         "texts": res["generated_texts"], "prompts": prompts,
@@ -146,7 +148,7 @@ def table(results: list[dict], servers: tuple[str, str]) -> tuple[str, list[str]
     for dataset, conc in keys:
         group = {s: [r for r in results if (r["dataset"], r["concurrency"], r["server"])
                      == (dataset, conc, s)] for s in servers}
-        for key, label, _ in METRICS:
+        for key, label in METRICS:
             a = statistics.median(r[key] for r in group[vllm])
             b = statistics.median(r[key] for r in group[mine])
             lines.append(f"{dataset:<18} {conc:>4} {label:<15} {a:>12.1f} {b:>12.1f} "

@@ -29,10 +29,10 @@
    chat workload with the model's own answers: cached tokens and TTFT.
 5. Servers under vLLM's own benchmark client (``benchmarks/serve_bench.py``): both
    servers up at once, ``prefix_repetition`` and ``random`` at concurrency 1, 4 and 16,
-   alternated runs; duration, output tokens/s, TTFT, TPOT, minirt/vLLM, cached tokens,
-   and the greedy texts compared prompt by prompt (exits 1 if a request fails, or if they
-   differ other than at a near tie of the plain model's logits). ``--serve-bench-only``
-   runs this part alone; ``--bench-reps`` (default 3).
+   alternated runs; duration, output tokens/s, TTFT, TPOT, request latency (E2EL),
+   minirt/vLLM, cached tokens, and the greedy texts compared prompt by prompt (exits 1
+   if a request fails, or if they differ other than at a near tie of the plain model's
+   logits). ``--serve-bench-only`` runs this part alone; ``--bench-reps`` (default 3).
 
 vLLM runs in its own virtual environment (``.venv-vllm``, see the Makefile): its
 transformers pin conflicts with minirt's. This file is also its worker (``--vllm-worker``),
