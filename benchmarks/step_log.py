@@ -5,11 +5,10 @@
 
 The log splits into bursts wherever the engine sat idle for more than ``--gap`` seconds
 (one benchmark run after another, say). For each burst: steps that admitted requests
-(their admission and prefill, then their decode pass when requests were already
-running), steps that only decoded, and the time between steps (the engine idle, waiting
-for requests), with each one's share of the burst's span. ``--steps`` also lists every
-admitting step. What a mixed prefill-and-decode step could win back is at most the decode
-passes of the admitting steps that had requests running.
+(their admission, then their one forward pass, which prefilled the admitted requests and
+decoded the running ones), steps that only decoded, and the time between steps (the
+engine idle, waiting for requests), with each one's share of the burst's span.
+``--steps`` also lists every admitting step.
 """
 
 from __future__ import annotations
@@ -41,8 +40,9 @@ def bursts(steps: list[dict], gap: float) -> list[list[dict]]:
 
 
 def summary(steps: list[dict]) -> list[tuple[str, int, float]]:
-    """(what, steps, seconds) rows: admitting steps' prefill and decode passes, decode-only
-    steps, the idle time between steps, and the whole span."""
+    """(what, steps, seconds) rows: admitting steps' admission and forward passes (mixed
+    where requests were running), decode-only steps, the idle time between steps, and the
+    whole span."""
     if not steps:
         raise SystemExit("the step log is empty: no step ran while it was written")
     admitting = [s for s in steps if s["admitted"]]
@@ -50,11 +50,11 @@ def summary(steps: list[dict]) -> list[tuple[str, int, float]]:
     decoding = [s for s in steps if not s["admitted"]]
     idle = sum(max(0.0, b["start"] - end(a)) for a, b in zip(steps, steps[1:], strict=False))
     return [
-        ("admission and prefill", len(admitting), sum(s["prefill_s"] for s in admitting)),
-        ("decode pass, admitting steps with requests running", len(joined),
-         sum(s["decode_s"] for s in joined)),
-        ("decode pass, other admitting steps", len(admitting) - len(joined),
-         sum(s["decode_s"] for s in admitting if not s["running"])),
+        ("admission", len(admitting), sum(s["admit_s"] for s in admitting)),
+        ("prefill passes, requests running (mixed)", len(joined),
+         sum(s["forward_s"] for s in joined)),
+        ("prefill passes, none running", len(admitting) - len(joined),
+         sum(s["forward_s"] for s in admitting if not s["running"])),
         ("decode-only steps", len(decoding), sum(s["step_s"] for s in decoding)),
         ("idle between steps", len(steps) - 1, idle),
         ("span of the burst", len(steps), end(steps[-1]) - steps[0]["start"]),
@@ -85,12 +85,12 @@ def print_burst(steps: list[dict], every: bool) -> None:
     print(f"   requests admitted per admitting step: "
           f"{[s['admitted'] for s in steps if s['admitted']]}")
     if every:
-        print(f"   {'start s':>8} {'running':>7} {'admitted':>8} {'prefill ms':>10} "
-              f"{'decode ms':>9}")
+        print(f"   {'start s':>8} {'running':>7} {'admitted':>8} {'admit ms':>8} "
+              f"{'forward ms':>10}")
         for s in steps:
             if s["admitted"]:
                 print(f"   {s['start']:8.2f} {s['running']:7} {s['admitted']:8} "
-                      f"{s['prefill_s'] * 1e3:10.0f} {s['decode_s'] * 1e3:9.0f}")
+                      f"{s['admit_s'] * 1e3:8.0f} {s['forward_s'] * 1e3:10.0f}")
 
 
 if __name__ == "__main__":

@@ -10,15 +10,15 @@ everything submitted so far, the way mini-sglang's scheduler loop does:
    token budget (uncached prompt tokens to prefill) and the pool allow;
 2. *admit*: match all but the last prompt token, lock the match, allocate slots
    for the gap only (evicting unlocked leaves when the free list is short);
-3. *prefill* the uncached tokens of everything admitted in one forward pass through
-   the pool, sample each first output token (that is the time to first token, TTFT),
-   and insert the prompts into the tree so that requests admitted later can share them
-   (a request that would share whole pages of a prompt of its own batch waits one step
-   for them; a shorter run of new tokens that several begin with is computed once,
-   ``forward.PrefillPlan``);
-4. *decode*: one forward pass per step for every running request together, attention
-   reading each request's K/V from a contiguous working copy (``forward.WorkingKV``);
-5. *finish*: insert prompt + output, unlock, free the tail that is not a whole page.
+3. *prefill and decode* in one forward pass (``Lifecycle.step``): the uncached tokens of
+   everything admitted, through the pool, and the next token of every request already
+   running, attention reading its K/V from a contiguous working copy
+   (``forward.WorkingKV``). Each admitted request gets its first output token (that is the
+   time to first token, TTFT) and its prompt goes into the tree so that requests admitted
+   later can share it (a request that would share whole pages of a prompt of its own
+   batch waits one step for them; a shorter run of new tokens that several begin with is
+   computed once, ``forward.PrefillPlan``); it decodes from the next step on;
+4. *finish*: insert prompt + output, unlock, free the tail that is not a whole page.
 
 ``Engine.generate(requests)`` submits a list of requests (all arriving now) and steps
 until they are all done. With ``use_cache=False`` the same loop computes every prompt
@@ -115,7 +115,8 @@ class RequestMetrics:
     (its ``submit``; for ``generate``, the call).
 
     ``ttft``: arrival to first output token (queueing + its own prefill);
-    ``prefill_time``: its own prefill forward pass alone; ``latency``: arrival to finish.
+    ``prefill_time``: the forward pass that prefilled it (running requests decoding in the
+    same pass); ``latency``: arrival to finish.
     ``loaded_tokens``: the part of ``cached_tokens`` loaded back from a host tier for it
     (chapter 09; 0 without one).
     """
@@ -331,13 +332,13 @@ class RequestHandle:
 class StepOutput:
     """What one ``Engine.step`` did: the tokens it produced, in order, as (rid, token),
     the requests it admitted (and prefilled), the requests that finished, and the seconds
-    it spent admitting and prefilling, and in the decode pass (``minirt.serve --step-log``)."""
+    it spent admitting and in its forward pass (``minirt.serve --step-log``)."""
 
     tokens: list[tuple[str, int]] = field(default_factory=list)
     admitted: list[RequestHandle] = field(default_factory=list)
     finished: list[RequestHandle] = field(default_factory=list)
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    admit_s: float = 0.0
+    forward_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -347,8 +348,8 @@ class StepOutput:
 class Engine:
     """Serves requests on ``model`` with a KV pool of ``capacity`` tokens and a radix cache.
 
-    ``token_budget`` caps the uncached prompt tokens prefilled in one scheduling step
-    between two decode steps (the first request of a step is always admitted, so a
+    ``token_budget`` caps the uncached prompt tokens prefilled in one scheduling step,
+    beside its running requests' decode (the first request of a step is always admitted, so a
     prompt longer than the budget still runs, alone in its step). ``check`` runs the
     pool/cache integrity check after every step (for tests). The cache persists across
     ``generate`` calls; ``flush`` empties it. ``schedule`` (a policy name or a
@@ -528,23 +529,24 @@ class Engine:
         return job
 
     def step(self, on_token: TokenCallback | None = None) -> StepOutput:
-        """One scheduling step: admit and prefill what fits, one decode step for every
-        running request, then finish those that are done.
+        """One scheduling step: admit what fits, then one forward pass that prefills the
+        admitted requests and decodes every running one, then finish those that are done.
 
         Returns the tokens produced (also passed to ``on_token(rid, token)`` as they come)
         and who was admitted and finished. Does nothing when no request is pending.
         """
         out = StepOutput()
         start = time.perf_counter()
-        self._admit_and_prefill(out, on_token)
-        out.prefill_s = time.perf_counter() - start
-        batch = [j for j in self._running if not self._done(j)]
-        if batch:
+        running = list(self._running)  # they decode; the admitted get their first token
+        admitted = self._admit()
+        out.admit_s = time.perf_counter() - start
+        if admitted or running:
             start = time.perf_counter()
-            self.lifecycle.decode([j.lc for j in batch])
-            for job in batch:
+            self.lifecycle.step([j.lc for j in admitted], [j.lc for j in running])
+            self._started(admitted, out, on_token, time.perf_counter() - start)
+            for job in running:
                 self._emit(job, out, on_token)
-            out.decode_s = time.perf_counter() - start
+            out.forward_s = time.perf_counter() - start
             self._check()
         for job in [j for j in self._running if self._done(j)]:
             self._running.remove(job)
@@ -696,9 +698,9 @@ class Engine:
                                      [j.lc.prompt for j in admitted])
     # ---- end of the scheduling hook
 
-    def _admit_and_prefill(self, out: StepOutput, on_token: TokenCallback | None) -> None:
-        """Steps 2-3: admit in the scheduler's order within the token budget and memory,
-        then prefill everything admitted in one forward pass."""
+    def _admit(self) -> list[RequestHandle]:
+        """Step 2: admit in the scheduler's order within the token budget and memory (each
+        admitted request's match locked, the slots for its gap allocated); who it admitted."""
         waiting, running = self._waiting, self._running
         self._schedule(waiting)
         budget, admitted, deferred = self.token_budget, [], []
@@ -725,8 +727,7 @@ class Engine:
             if budget <= 0:
                 break
         waiting.extendleft(reversed(deferred))
-        if admitted:
-            self._prefill(admitted, out, on_token)
+        return admitted
 
     def _reuses(self, job: RequestHandle, match: MatchResult,
                 admitted: Sequence[RequestHandle]) -> bool:
@@ -748,15 +749,13 @@ class Engine:
                     return True
         return False
 
-    def _prefill(self, jobs: list[RequestHandle], out: StepOutput,
-                 on_token: TokenCallback | None) -> None:
-        """Step 3: one forward pass over the admitted requests (each its own cached and new
-        lengths), first tokens, then their prompts go into the tree."""
-        t = time.perf_counter()
-        self.lifecycle.prefill_batch([job.lc for job in jobs])
+    def _started(self, jobs: list[RequestHandle], out: StepOutput,
+                 on_token: TokenCallback | None, seconds: float) -> None:
+        """Step 3, after the pass that prefilled ``jobs`` (in ``seconds``): their first
+        tokens, then their prompts go into the tree and they run."""
         now = time.perf_counter()
         for job in jobs:
-            job.prefill_time, job.ttft = now - t, now - job.arrival
+            job.prefill_time, job.ttft = seconds, now - job.arrival
             if self.use_cache:
                 handle = self.lifecycle.insert_running(job.lc)
                 if isinstance(self.cache, RadixCache):
@@ -766,7 +765,6 @@ class Engine:
             self._running.append(job)
             out.admitted.append(job)
             self._emit(job, out, on_token)
-        self._check()
 
     @staticmethod
     def _sampler(request: Request) -> Callable[[torch.Tensor], int]:

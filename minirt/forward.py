@@ -17,7 +17,7 @@ module runs a model on a batch of requests whose K/V live in the pool:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache, partial
 
@@ -81,6 +81,46 @@ def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
         h += run(mlp.down_proj, mlp.act_fn(gate).mul_(up))
     h = h[:, -1] if last is None else h.view(-1, h.shape[-1]).index_select(0, last)
     return run(model.lm_head, _rms_norm(inner.norm, h))
+
+
+@dataclass
+class _Rows:
+    """Rows of one ``llama_forward`` and how they attend: a prefill plan's or a decode
+    step's, alone or side by side with another's in one mixed pass (``_run``).
+
+    ``input_ids`` and ``positions`` ``[rows]``; ``last``: the rows whose logits are wanted,
+    in the order they are returned; ``attend(layer, q, k, v, scale)`` on these rows alone
+    (``q`` ``[1, heads, rows, head_dim]``, ``k``, ``v`` ``[1, kv_heads, rows, head_dim]``)
+    returns ``[1, rows, heads * head_dim]``; ``after``: what is left once the forward ran."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor
+    attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    after: Callable[[], None] | None = None
+
+
+def _run(model, parts: Sequence[_Rows], deterministic: bool = False) -> list[torch.Tensor]:
+    """One ``llama_forward`` over every part's rows, one after the other: every weight is
+    read once for all of them, and each part's attention sees its own rows only. Returns
+    each part's logits ``[len(part.last), vocab]``."""
+    cuts = [0]
+    for part in parts:
+        cuts.append(cuts[-1] + part.input_ids.numel())
+
+    def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
+        out = [part.attend(layer, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], scale)
+               for part, lo, hi in zip(parts, cuts, cuts[1:], strict=False)]
+        return torch.cat(out, 1) if len(out) > 1 else out[0]
+
+    logits = llama_forward(model, torch.cat([p.input_ids for p in parts]).view(1, -1),
+                           torch.cat([p.positions for p in parts]).view(1, -1), attend,
+                           torch.cat([p.last + lo for p, lo in zip(parts, cuts, strict=False)]),
+                           deterministic=deterministic)
+    for part in parts:
+        if part.after is not None:
+            part.after()
+    return list(logits.split([p.last.numel() for p in parts]))
 
 
 MIN_ROWS = 4
@@ -329,27 +369,18 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     does): on CPU in fp32 its prepacked GEMMs give a row the same bits wherever it sits in
     the batch, where the plain kernel, on a 2-core AVX2 CPU, did not (rows 8-10 of 11).
     """
-    if len(tables) != len(new_ids) or not tables:
-        raise PoolError(f"forward_paged needs one page table per request, got {len(tables)} "
-                        f"tables and {len(new_ids)} id lists")
-    ids = [as_index_tensor(x, "token ids") for x in new_ids]
-    for r, (t, x) in enumerate(zip(tables, ids, strict=True)):
-        if x.numel() == 0 or len(t) < x.numel():
-            raise PoolError(f"request {r}: {x.numel()} new tokens but a page table of {len(t)} "
-                            "positions (allocate slots for the new tokens first)")
+    ids = _new_ids(tables, new_ids)
     if deterministic:
-        if not is_llama(model):
-            raise ModelError("deterministic mode runs transformers' Llama layer by layer; "
-                             f"{type(model).__name__} is not one")
+        _require_llama(model)
         fuse_projections(model)  # prepacked fp32 GEMMs: a row's bits, wherever it sits
-        if working is not None and last_only and all(x.numel() == 1 for x in ids):
-            return working.forward(model, tables, torch.cat(ids), deterministic=True)
-        return _prefill_aligned(model, pool, tables, ids, last_only)
-    if (working is not None and last_only and all(x.numel() == 1 for x in ids)
-            and is_llama(model)):
-        return working.forward(model, tables, torch.cat(ids))
-    if last_only and is_llama(model):
-        return list(_prefill_llama(model, pool, tables, ids, share_runs))
+    decode = working is not None and last_only and all(x.numel() == 1 for x in ids)
+    if is_llama(model) and (last_only or deterministic):
+        part = (working.decode_rows(tables, torch.cat(ids), deterministic) if decode
+                else _prefill_rows(pool, tables, ids, share_runs, deterministic, last_only))
+        logits = _run(model, [part], deterministic)[0]
+        if last_only:
+            return list(logits)
+        return list(logits.split([x.numel() for x in ids]))
     batch = PagedBatch.build(tables, [x.numel() for x in ids])
     device = pool.device
     input_ids = torch.zeros(len(ids), batch.q_len, dtype=torch.int64)
@@ -368,6 +399,53 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     if last_only:
         return [logits[r, -1] for r in range(len(ids))]
     return [logits[r, batch.q_len - x.numel():] for r, x in enumerate(ids)]
+
+
+
+@torch.inference_mode()
+def forward_mixed(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Sequence,
+                  working: WorkingKV, decode_tables: Sequence[PageTable],
+                  decode_ids: Sequence, share_runs: bool = True,
+                  deterministic: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A prefill and a decode step in one forward pass of a Llama (ModelError otherwise):
+    the new prompt tokens of ``tables`` as ``forward_paged`` prefills them, then the next
+    token of each of ``decode_tables`` as its decode step over ``working`` reads them, their
+    rows side by side. Every weight matrix is read once for both, where two passes read it
+    twice. Returns each prefilled request's last-position logits and each decoding
+    request's, ``[vocab]`` each, in order. The decoding requests must not be among the
+    prefilled ones: their next token is known only once this pass has run."""
+    _require_llama(model)
+    ids, tokens = _new_ids(tables, new_ids), _new_ids(decode_tables, decode_ids)
+    if any(x.numel() != 1 for x in tokens):
+        raise PoolError("forward_mixed decodes one new token per decoding request")
+    if {id(t) for t in tables} & {id(t) for t in decode_tables}:
+        raise PoolError("forward_mixed: a request cannot prefill and decode in one pass")
+    if deterministic:
+        fuse_projections(model)
+    parts = [_prefill_rows(pool, tables, ids, share_runs, deterministic),
+             working.decode_rows(decode_tables, torch.cat(tokens), deterministic)]
+    prefill, decode = _run(model, parts, deterministic)
+    return list(prefill), list(decode)
+
+
+def _new_ids(tables: Sequence[PageTable], new_ids: Sequence) -> list[torch.Tensor]:
+    """``new_ids`` as index tensors, PoolError unless there is one per table and each
+    table already maps its new tokens' positions."""
+    if len(tables) != len(new_ids) or not tables:
+        raise PoolError(f"forward_paged needs one page table per request, got {len(tables)} "
+                        f"tables and {len(new_ids)} id lists")
+    ids = [as_index_tensor(x, "token ids") for x in new_ids]
+    for r, (t, x) in enumerate(zip(tables, ids, strict=True)):
+        if x.numel() == 0 or len(t) < x.numel():
+            raise PoolError(f"request {r}: {x.numel()} new tokens but a page table of {len(t)} "
+                            "positions (allocate slots for the new tokens first)")
+    return ids
+
+
+def _require_llama(model) -> None:
+    if not is_llama(model):
+        raise ModelError("deterministic mode and mixed steps run transformers' Llama layer "
+                         f"by layer; {type(model).__name__} is not one")
 
 
 @dataclass
@@ -470,16 +548,20 @@ class PrefillPlan:
                    tables[0].slots[:shared], last)
 
 
-def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
-                   ids: Sequence[torch.Tensor], share_runs: bool = True) -> torch.Tensor:
-    """``forward_paged`` for a Llama, last positions only: ``llama_forward`` over the rows
-    of a ``PrefillPlan``, attention split at the shared prefix (``shared_prefix_attention``).
+def _prefill_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch.Tensor],
+                  share_runs: bool = True, deterministic: bool = False,
+                  last_only: bool = True) -> _Rows:
+    """A Llama's prefill through the pool, as ``_Rows``: in deterministic mode
+    ``_aligned_rows``, else the rows of a ``PrefillPlan`` (last positions only), attention
+    split at the shared prefix (``shared_prefix_attention``).
 
     Each layer writes the new K/V to the pool first (the common run's into every one of its
     requests' slots), then the run attends to the prefix and causally to itself, and each
     part's requests attend to the prefix and to their own keys: the new K/V themselves
     when nothing else lies past the prefix, else gathered from the pool behind the mask.
     """
+    if deterministic:
+        return _aligned_rows(pool, tables, ids, last_only)
     device = pool.device
     plan = PrefillPlan.build(tables, ids, pool.dtype, share_runs)
     common = plan.common
@@ -516,14 +598,15 @@ def _prefill_llama(model, pool: KVPool, tables: Sequence[PageTable],
         out = [o.reshape(1, -1, heads * head_dim) for o in out]
         return torch.cat(out, 1) if len(out) > 1 else out[0]
 
-    return llama_forward(model, plan.input_ids.view(1, -1).to(device),
-                         plan.positions.view(1, -1).to(device), attend, plan.last.to(device))
+    return _Rows(plan.input_ids.to(device), plan.positions.to(device), plan.last.to(device),
+                 attend)
 
 
-def _prefill_aligned(model, pool: KVPool, tables: Sequence[PageTable],
-                     ids: Sequence[torch.Tensor], last_only: bool) -> list[torch.Tensor]:
-    """``forward_paged`` in deterministic mode: every request's new tokens, one after the
-    other, as the rows of one ``llama_forward``, attention by ``aligned_attention``.
+def _aligned_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch.Tensor],
+                  last_only: bool) -> _Rows:
+    """A prefill in deterministic mode: every request's new tokens, one after the other, as
+    rows of ``llama_forward``, attention by ``aligned_attention`` (logits at each request's
+    last token, or with ``last_only=False`` at all of them).
 
     The keys every request holds in common, cut at a whole chunk, are read once; the rest
     of each request's keys (its cached part past that, then its new tokens, whose K/V each
@@ -563,13 +646,8 @@ def _prefill_aligned(model, pool: KVPool, tables: Sequence[PageTable],
                                 vo.transpose(1, 2), scale)  # [b, m, heads, head_dim]
         return out.reshape(b * m, -1).index_select(0, real)[None]
 
-    ids_flat = torch.cat(list(ids)).view(1, -1).to(device)
     rows = offsets[1:] - 1 if last_only else torch.arange(int(offsets[-1]))
-    logits = llama_forward(model, ids_flat, flat_pos.view(1, -1).to(device), attend,
-                           rows.to(device), deterministic=True)
-    if last_only:
-        return list(logits)
-    return [logits[offsets[r]:offsets[r + 1]] for r in range(b)]
+    return _Rows(torch.cat(list(ids)).to(device), flat_pos.to(device), rows.to(device), attend)
 
 
 # ---------------------------------------------------------------------------
@@ -914,14 +992,14 @@ class WorkingKV:
             grown[:, :n, :, used:] = 0
             setattr(self, name, grown)
 
-    def forward(self, model, tables: Sequence[PageTable], tokens: torch.Tensor,
-                deterministic: bool = False) -> list[torch.Tensor]:
-        """One decode step: ``tokens[i]`` is the new token of ``tables[i]`` (its last
-        position). Returns each request's next-token logits, in ``tables`` order.
+    def decode_rows(self, tables: Sequence[PageTable], tokens: torch.Tensor,
+                    deterministic: bool = False) -> _Rows:
+        """One decode step as ``_Rows``: ``tokens[i]`` is the new token of ``tables[i]`` (its
+        last position); the logits come out in ``tables`` order.
 
-        The model runs as ``llama_forward``: in each layer, ``attend`` writes the new K/V onto
-        the end of each row, then attends over the prefixes and the rows; after the last
-        layer the new K/V of all layers go into their pool slots in one copy.
+        In each layer ``attend`` writes the new K/V onto the end of each row, then attends
+        over the prefixes and the rows; once the forward has run, the new K/V of all layers
+        go into their pool slots in one copy.
         """
         order = self.sync(tables, CHUNK if deterministic else 1)
         n, device = len(order), self.pool.device
@@ -946,36 +1024,37 @@ class WorkingKV:
         g, p = len(self.bank), max(map(len, self.bank), default=0)
 
         def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
+            # q [1, heads, n, head_dim], k and v [1, kv_heads, n, head_dim]: row r, request r
+            q = q[0].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, head_dim]
             keys, values = self.k[layer], self.v[layer]
-            keys[rows, :, column] = k[:, :, 0]
-            values[rows, :, column] = v[:, :, 0]
+            keys[rows, :, column] = k[0].transpose(0, 1)
+            values[rows, :, column] = v[0].transpose(0, 1)
             if not deterministic:
                 return cascade_decode(q, keys[:n, :, :width], values[:n, :, :width], mask,
                                       self.pk[layer, :g, :, :p], self.pv[layer, :g, :, :p],
-                                      groups, scale).reshape(n, 1, -1)
+                                      groups, scale).reshape(1, n, -1)
             out = q.new_empty(n, 1, q.shape[1], q.shape[3])
             for r, h in blocks:  # whole chunks of the rows (past ``width``: masked)
                 pk, pv = ((keys[0, :, :0], values[0, :, :0]) if h is None
                           else (h.k[layer], h.v[layer]))
                 out[r] = aligned_attention(q[r], pos[r], pk, pv, keys[r, :, :span],
                                            values[r, :, :span], scale)
-            return out.reshape(n, 1, -1)
+            return out.reshape(1, n, -1)
 
-        logits = llama_forward(model, tokens[order].view(n, 1).to(device),
-                               lengths.view(n, 1).to(device), attend,
-                               deterministic=deterministic)
-        # The new K/V of every layer, now in the rows, into their pool slots in one copy.
-        k_new, v_new = self.k[:, rows, :, column], self.v[:, rows, :, column]
-        if mask is not None:  # advanced indices around a slice: their dimension comes first
-            k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)
-        self.pool.k.index_copy_(1, new_slots, k_new)
-        self.pool.v.index_copy_(1, new_slots, v_new)
-        for r, i in enumerate(order):
-            self.slots[r] = tables[i].slots
-        out: list[torch.Tensor] = [logits[0]] * n
-        for r, i in enumerate(order):
-            out[i] = logits[r]
-        return out
+        def after() -> None:
+            # The new K/V of every layer, now in the rows, into their pool slots in one copy.
+            k_new, v_new = self.k[:, rows, :, column], self.v[:, rows, :, column]
+            if mask is not None:  # advanced indices around a slice: their dimension first
+                k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)
+            self.pool.k.index_copy_(1, new_slots, k_new)
+            self.pool.v.index_copy_(1, new_slots, v_new)
+            for r, i in enumerate(order):
+                self.slots[r] = tables[i].slots
+
+        row_of = torch.empty(n, dtype=torch.int64)  # the row of tables[i]: logits in order
+        row_of[torch.tensor(order, dtype=torch.int64)] = torch.arange(n)
+        return _Rows(tokens[order].to(device), lengths.to(device), row_of.to(device), attend,
+                     after)
 
 
 @dataclass(frozen=True)

@@ -647,6 +647,8 @@ class WindowLifecycle(Lifecycle):
     cached token: no early frees, so no tombstones but those eviction makes.
     """
 
+    mixes = False  # ``step`` runs its prefill and its decode as two ``forward_windowed``s
+
     def __init__(self, model, capacity: int, window_capacity: int | None = None,
                  window_aware: bool = True) -> None:
         if not has_window_layers(model):

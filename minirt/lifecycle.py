@@ -37,7 +37,7 @@ import torch
 
 from .cache import CacheHandle, MatchResult, PrefixCache, as_ids, check_salt, slots_tensor
 from .errors import OutOfMemoryError, PoolError, RequestError, StaleHandleError
-from .forward import WorkingKV, forward_paged
+from .forward import WorkingKV, forward_mixed, forward_paged, is_llama
 from .pool import KVPool, PageTable
 from .radix import RadixNode
 
@@ -151,6 +151,8 @@ class Lifecycle:
     Every method either completes or raises leaving pool, tree and requests exactly as
     they were (``state_snapshot`` compares), so a scheduler can simply try and retry.
     """
+
+    mixes = True  # ``step`` prefills and decodes in one forward pass where the model allows
 
     def __init__(self, model, pool: KVPool, cache: PrefixCache) -> None:
         if cache.page_size != pool.page_size:
@@ -328,10 +330,14 @@ class Lifecycle:
         logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
                                [r.prompt[r.kv_len:] for r in reqs], last_only=not all_logits,
                                share_runs=self.share_runs, deterministic=self.deterministic)
+        self._prefilled(reqs, [lg if lg.dim() == 1 else lg[-1] for lg in logits])
+        return logits
+
+    def _prefilled(self, reqs: Sequence[Request], logits: Sequence[torch.Tensor]) -> None:
+        """After their prefill: the whole prompt has K/V; each request's first token."""
         for req, lg in zip(reqs, logits, strict=True):
             req.kv_len = req.prompt.numel()
-            req.output.append(req.next_token(lg if lg.dim() == 1 else lg[-1]))
-        return logits
+            req.output.append(req.next_token(lg))
 
     def _slot_for_next(self, req: Request) -> torch.Tensor | None:
         """A slot for position ``kv_len``: the next unused private one, or a new page."""
@@ -347,6 +353,16 @@ class Lifecycle:
         request that needs a new page, OutOfMemoryError is raised before anything changes.
         """
         reqs = self._decode_ready(reqs)
+        self._take_decode_slots(reqs)
+        logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
+                               [torch.tensor([r.output[-1]]) for r in reqs],
+                               working=self.working, deterministic=self.deterministic)
+        self._decoded(reqs, logits)
+        return logits
+
+    def _take_decode_slots(self, reqs: Sequence[Request]) -> None:
+        """A slot for each request's next position (evicting if short), or OutOfMemoryError
+        before anything changes."""
         short = [r for r in reqs if len(r.page_table) - r.cached_len >= r.private.numel()]
         need = len(short) * self.page_size
         if need > self.pool.num_free + self.cache.evictable_size:
@@ -360,13 +376,38 @@ class Lifecycle:
                 r.private = torch.cat([r.private, slots])
             used = len(r.page_table) - r.cached_len
             r.page_table.append(r.private[used:used + 1])
-        logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
-                               [torch.tensor([r.output[-1]]) for r in reqs],
-                               working=self.working, deterministic=self.deterministic)
+
+    def _decoded(self, reqs: Sequence[Request], logits: Sequence[torch.Tensor]) -> None:
+        """After a decode step: one more position with K/V; each request's next token
+        (the greedy ones in one argmax)."""
         for r, lg, token in zip(reqs, logits, _greedy_picks(reqs, logits), strict=True):
             r.kv_len += 1
             r.output.append(r.next_token(lg) if token is None else token)
-        return logits
+
+    def step(self, prefill: Sequence[Request],
+             decode: Sequence[Request]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Prefill ``prefill`` and run one decode step for ``decode`` (other requests): a
+        *mixed* step, one forward pass for both on a Llama (``forward_mixed``: every weight
+        read once), else ``prefill_batch`` then ``decode``. Returns both's logits.
+
+        A request prefilled here gets its first token and decodes from the next step on.
+        RequestError or OutOfMemoryError before anything changes, as the two calls raise.
+        """
+        if not (prefill and decode and self.mixes and is_llama(self.model)):
+            return (self.prefill_batch(prefill) if prefill else [],
+                    self.decode(decode) if decode else [])
+        prefill, decode = self._prefill_ready(prefill), self._decode_ready(decode)
+        if {r.rid for r in prefill} & {r.rid for r in decode}:
+            raise RequestError("a request cannot prefill and decode in one step")
+        self._take_decode_slots(decode)
+        p_logits, d_logits = forward_mixed(
+            self.model, self.pool, [r.page_table for r in prefill],
+            [r.prompt[r.kv_len:] for r in prefill], self.working,
+            [r.page_table for r in decode], [torch.tensor([r.output[-1]]) for r in decode],
+            self.share_runs, self.deterministic)
+        self._prefilled(prefill, p_logits)
+        self._decoded(decode, d_logits)
+        return p_logits, d_logits
 
     # ------------------------------------------------------------ insert, finish
     def _insert(self, req: Request):

@@ -369,7 +369,7 @@ class EngineWorker:
                     self._log.write(json.dumps({
                         "start": round(start - origin, 6),
                         "step_s": round(time.perf_counter() - start, 6),
-                        "prefill_s": round(out.prefill_s, 6), "decode_s": round(out.decode_s, 6),
+                        "admit_s": round(out.admit_s, 6), "forward_s": round(out.forward_s, 6),
                         "running": running, "admitted": len(out.admitted),
                         "finished": len(out.finished), "tokens": out.num_tokens}) + "\n")
                 for handle in out.admitted:
@@ -799,7 +799,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="larger request bodies get 413 (default 1 MiB)")
     p.add_argument("--step-log", default=None, metavar="PATH",
                    help="write a JSON line per engine step here: when it began, its seconds "
-                        "in admission and prefill and in the decode pass, requests running, "
+                        "in admission and in its forward pass, requests running, "
                         "admitted and finished (benchmarks/step_log.py sums them up)")
     args = p.parse_args(argv)
     if args.step_log and not Path(args.step_log).resolve().parent.is_dir():

@@ -19,6 +19,7 @@ from minirt.forward import (
     aligned_attention,
     attention_lse,
     cascade_decode,
+    forward_mixed,
     forward_paged,
     is_llama,
     llama_forward,
@@ -187,9 +188,11 @@ def _alone(model, prompt: torch.Tensor, deterministic: bool = True) -> torch.Ten
                          deterministic=deterministic)[0]
 
 
-def _served(model, data, deterministic: bool):
-    """Random prompts sharing random prefixes, random cached lengths, one batched prefill
-    and one batched decode step: (prompts, the next tokens, prefill logits, decode logits)."""
+def _served(model, data, deterministic: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random prompts sharing random prefixes at random cached lengths, in any batch order,
+    through one batched prefill, one batched decode step, then a mixed step (more prompts
+    prefill while the first ones decode again, one ``llama_forward``): every sequence a
+    step ran with the logits it gave at its last position."""
     ids = st.integers(0, 127)
     bases = [torch.tensor(data.draw(st.lists(ids, min_size=0, max_size=60)), dtype=torch.int64)
              for _ in range(2)]
@@ -200,28 +203,47 @@ def _served(model, data, deterministic: bool):
         if base.numel():
             forward_paged(model, pool, [table], [base], deterministic=deterministic)
         base_tables.append(table)
-    prompts, tables, new = [], [], []
-    for _ in range(data.draw(st.integers(1, 5))):
-        which = data.draw(st.integers(0, 1))
-        cut = data.draw(st.integers(0, bases[which].numel()))
-        suffix = torch.tensor(data.draw(st.lists(ids, min_size=1, max_size=20)))
-        prompt = torch.cat([bases[which][:cut], suffix])
-        cached = data.draw(st.integers(0, cut))  # how much of the shared part is reused
-        slots = torch.cat([base_tables[which].slots[:cached], pool.alloc(prompt.numel() - cached)])
-        prompts.append(prompt)
-        tables.append(PageTable(slots))
-        new.append(prompt[cached:])
-    order = data.draw(st.permutations(range(len(prompts))))  # any batch order
-    got = forward_paged(model, pool, [tables[i] for i in order], [new[i] for i in order],
-                        deterministic=deterministic)
-    prefill = [got[order.index(r)] for r in range(len(prompts))]
-    nxt = [int(lg.argmax()) for lg in prefill]
-    for t in tables:
-        t.append(pool.alloc(1))
+
+    def arrive(count: int) -> tuple[list[torch.Tensor], list[PageTable], list[torch.Tensor]]:
+        prompts, tables, new = [], [], []
+        for _ in range(count):
+            which = data.draw(st.integers(0, 1))
+            cut = data.draw(st.integers(0, bases[which].numel()))
+            suffix = torch.tensor(data.draw(st.lists(ids, min_size=1, max_size=20)))
+            prompt = torch.cat([bases[which][:cut], suffix])
+            cached = data.draw(st.integers(0, cut))  # how much of the shared part is reused
+            slots = torch.cat([base_tables[which].slots[:cached],
+                               pool.alloc(prompt.numel() - cached)])
+            prompts.append(prompt)
+            tables.append(PageTable(slots))
+            new.append(prompt[cached:])
+        order = data.draw(st.permutations(range(count)))  # any batch order
+        return ([prompts[i] for i in order], [tables[i] for i in order],
+                [new[i] for i in order])
+
+    def step(seqs: list[torch.Tensor], tables: list[PageTable],
+             logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each sequence's greedy next token appended; its table gets a slot for it."""
+        ran.extend(zip(seqs, logits, strict=True))
+        for t in tables:
+            t.append(pool.alloc(1))
+        return [torch.cat([x, lg.argmax().view(1)]) for x, lg in zip(seqs, logits, strict=True)]
+
+    ran: list[tuple[torch.Tensor, torch.Tensor]] = []
+    prompts, tables, new = arrive(data.draw(st.integers(1, 5)))
+    seqs = step(prompts, tables,
+                forward_paged(model, pool, tables, new, deterministic=deterministic))
     working = WorkingKV(pool)
-    decode = forward_paged(model, pool, tables, [torch.tensor([x]) for x in nxt],
-                           working=working, deterministic=deterministic)
-    return prompts, nxt, prefill, decode
+    seqs = step(seqs, tables, forward_paged(model, pool, tables, [x[-1:] for x in seqs],
+                                            working=working, deterministic=deterministic))
+    more, more_tables, more_new = arrive(data.draw(st.integers(1, 3)))
+    with mock.patch.object(forward, "llama_forward", wraps=forward.llama_forward) as passes:
+        prefilled, decoded = forward_mixed(model, pool, more_tables, more_new, working, tables,
+                                           [x[-1:] for x in seqs], deterministic=deterministic)
+    assert passes.call_count == 1
+    ran.extend(zip(more, prefilled, strict=True))
+    ran.extend(zip(seqs, decoded, strict=True))
+    return ran
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -229,17 +251,16 @@ def _served(model, data, deterministic: bool):
 @given(data=st.data())
 def test_deterministic_logits_are_one_requests_uncached_pass(dtype, data):
     """The mode's promise, bit for bit: whatever is cached (random prefixes shared at random
-    lengths), whatever else is in the batch and in whatever order, prefill logits and the
-    next decode step's equal one request's uncached pass by itself, in fp32 and bf16.
+    lengths), whatever else is in the batch and in whatever order, prefill logits, the next
+    decode step's and a mixed step's (prefill and decode in one pass) equal one request's
+    uncached pass by itself, in fp32 and bf16.
     Chunks of 16 keys, so that 60-token prefixes cross chunk boundaries; queries in blocks
     of 5 or 16 (``QUERY_BLOCK``), or all at once."""
     model = _tiny(dtype)
     block = data.draw(st.sampled_from([5, 16, 1000]))
     with mock.patch.object(forward, "CHUNK", 16), mock.patch.object(forward, "QUERY_BLOCK", block):
-        prompts, nxt, prefill, decode = _served(model, data, deterministic=True)
-        for prompt, token, lg, dec in zip(prompts, nxt, prefill, decode, strict=True):
-            assert torch.equal(lg, _alone(model, prompt))
-            assert torch.equal(dec, _alone(model, torch.cat([prompt, torch.tensor([token])])))
+        for seq, logits in _served(model, data, deterministic=True):
+            assert torch.equal(logits, _alone(model, seq))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -249,13 +270,9 @@ def test_default_mode_stays_within_its_tolerance(dtype, data):
     """Without the switch, the cache and the batch move logits by rounding only: within
     1e-4 in fp32, within 0.05 in bf16 (where they need not be equal bitwise)."""
     model = _tiny(dtype)
-    prompts, nxt, prefill, decode = _served(model, data, deterministic=False)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for prompt, token, lg, dec in zip(prompts, nxt, prefill, decode, strict=True):
-        torch.testing.assert_close(lg.float(), _alone(model, prompt, False).float(),
-                                   rtol=tol, atol=tol)
-        longer = torch.cat([prompt, torch.tensor([token])])
-        torch.testing.assert_close(dec.float(), _alone(model, longer, False).float(),
+    for seq, logits in _served(model, data, deterministic=False):
+        torch.testing.assert_close(logits.float(), _alone(model, seq, False).float(),
                                    rtol=tol, atol=tol)
 
 

@@ -5,11 +5,13 @@ every step; TTFT counts from each request's own arrival; stop strings end a requ
 from __future__ import annotations
 
 import time
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import minirt.forward as forward
 from minirt.engine import Engine, Request, RequestHandle
 from minirt.errors import RequestError
 from minirt.lifecycle import greedy_reference
@@ -93,19 +95,22 @@ def test_arrivals_and_cancellations_match_generate(model, workload):
 
 
 def test_arrival_while_others_run_shares_their_prefix(model):
-    """B arrives while A decodes and finds A's prompt in the tree (inserted at prefill)."""
+    """B arrives while A decodes and finds A's prompt in the tree (inserted at prefill); the
+    step that admits B prefills it and decodes A in one forward pass (a mixed step)."""
     a = list(range(10, 30))
     engine = Engine(model, capacity=128, check=True)
     ha = engine.submit(Request(prompt=a, max_new_tokens=6, stop_on_eos=False))
     first = engine.step()
-    assert [h.rid for h in first.admitted] == [ha.rid] and first.num_tokens == 2
-    assert ha.status == "running" and len(ha.output_ids) == 2
+    assert [h.rid for h in first.admitted] == [ha.rid] and first.num_tokens == 1
+    assert ha.status == "running" and len(ha.output_ids) == 1
     hb = engine.submit(Request(prompt=a[:15] + [99, 98], max_new_tokens=3, stop_on_eos=False))
     assert hb.status == "waiting" and engine.waiting == [hb] and engine.running == [ha]
-    out = engine.step()
+    with mock.patch.object(forward, "llama_forward", wraps=forward.llama_forward) as passes:
+        out = engine.step()
     assert out.admitted == [hb] and hb.cached_tokens == 15
-    assert out.tokens == [(hb.rid, hb.output_ids[0]), (ha.rid, ha.output_ids[2]),
-                          (hb.rid, hb.output_ids[1])]
+    # One pass: B's prefill gives its first token, A's decode its second, beside it.
+    assert passes.call_count == 1 and out.admit_s > 0 and out.forward_s > 0
+    assert out.tokens == [(hb.rid, hb.output_ids[0]), (ha.rid, ha.output_ids[1])]
     while engine.has_work:
         engine.step()
     assert ha.output_ids == greedy_reference(model, a, 6)
@@ -144,7 +149,7 @@ def test_cancel_frees_everything_and_says_what_it_did(model):
     assert late.status == "waiting" and engine.lifecycle.counters()["private"] > 0
     assert engine.cancel(late) and late.result.metrics is None and late.output_ids == []
     assert engine.cancel(run.rid) and run.status == "cancelled"
-    assert run.result.metrics.output_tokens == len(run.output_ids) == 3
+    assert run.result.metrics.output_tokens == len(run.output_ids) == 2  # first, one decode
     assert engine.cancel(wait)
     assert idle(engine) and not engine.has_work
     assert engine.cache.match_prefix(list(range(1, 12))).cached_len == 11  # prompt stays cached

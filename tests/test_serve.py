@@ -390,9 +390,8 @@ def test_the_step_log_accounts_for_every_request_and_token(tiny_server):
     assert sum(s["admitted"] for s in steps) == 2
     assert sum(s["finished"] for s in steps) == 2
     assert sum(s["tokens"] for s in steps) == 5 + 6
-    assert all(s["prefill_s"] > 0 for s in steps if s["admitted"])
-    assert all(s["decode_s"] > 0 for s in steps if s["tokens"] > s["admitted"])
-    assert all(s["prefill_s"] + s["decode_s"] <= s["step_s"] for s in steps)
+    assert all(s["admit_s"] > 0 and s["forward_s"] > 0 for s in steps)
+    assert all(s["admit_s"] + s["forward_s"] <= s["step_s"] for s in steps)
     assert all(b["start"] >= a["start"] + a["step_s"]
                for a, b in zip(steps, steps[1:], strict=False))
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_log.py"
@@ -402,8 +401,12 @@ def test_the_step_log_accounts_for_every_request_and_token(tiny_server):
     assert step_log.bursts(steps, gap=60.0) == [steps]
     rows = {what: (n, seconds) for what, n, seconds in step_log.summary(steps)}
     admitting = [s for s in steps if s["admitted"]]
-    n, seconds = rows["admission and prefill"]
-    assert n == len(admitting) and seconds == pytest.approx(sum(s["prefill_s"] for s in admitting))
+    n, seconds = rows["admission"]
+    assert n == len(admitting) and seconds == pytest.approx(sum(s["admit_s"] for s in admitting))
+    mixed, alone = (rows[f"prefill passes, {w}"] for w in ("requests running (mixed)",
+                                                          "none running"))
+    assert mixed[0] + alone[0] == len(admitting)
+    assert mixed[1] + alone[1] == pytest.approx(sum(s["forward_s"] for s in admitting))
     assert rows["decode-only steps"][0] == len(steps) - len(admitting)
 
 
