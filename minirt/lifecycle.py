@@ -397,8 +397,6 @@ class Lifecycle:
             return (self.prefill_batch(prefill) if prefill else [],
                     self.decode(decode) if decode else [])
         prefill, decode = self._prefill_ready(prefill), self._decode_ready(decode)
-        if {r.rid for r in prefill} & {r.rid for r in decode}:
-            raise RequestError("a request cannot prefill and decode in one step")
         self._take_decode_slots(decode)
         p_logits, d_logits = forward_mixed(
             self.model, self.pool, [r.page_table for r in prefill],

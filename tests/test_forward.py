@@ -323,3 +323,28 @@ def test_deterministic_mode_needs_a_llama():
     with pytest.raises(ModelError, match="not one"):
         forward_paged(gpt2, pool, [table], [torch.tensor([1, 2, 3])], deterministic=True)
     assert pool.num_free == 13  # nothing else changed
+
+
+def test_a_mixed_step_refuses_what_it_cannot_run():
+    """``forward_mixed``: a Llama only; one new token per decoding request; no request both
+    prefilling and decoding. Each refusal writes nothing to the pool."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
+    gpt2_pool = KVPool.for_model(gpt2, 16)
+    a, b = PageTable(gpt2_pool.alloc(3)), PageTable(gpt2_pool.alloc(1))
+    with pytest.raises(ModelError, match="not one"):
+        forward_mixed(gpt2, gpt2_pool, [a], [torch.tensor([1, 2, 3])], WorkingKV(gpt2_pool),
+                      [b], [torch.tensor([4])])
+    model = _tiny(torch.float32)
+    pool = KVPool.for_model(model, 16)
+    a, b = PageTable(pool.alloc(3)), PageTable(pool.alloc(2))
+    k = pool.k.clone()
+    for tables, ids, decode, tokens, words in [
+            ([a], [[1, 2, 3]], [b], [[4, 5]], "one new token"),
+            ([a], [[1, 2, 3]], [a], [[4]], "cannot prefill and decode"),
+            ([a], [[1, 2, 3, 4]], [b], [[4]], "page table of 3")]:
+        with pytest.raises(PoolError, match=words):
+            forward_mixed(model, pool, tables, [torch.tensor(x) for x in ids], WorkingKV(pool),
+                          decode, [torch.tensor(x) for x in tokens])
+        assert torch.equal(pool.k, k)

@@ -242,6 +242,8 @@ def test_unlock_twice_and_stale_handle(model):
         (lambda lc, r: lc.admit(r), RequestError),                         # already running
         (lambda lc, r: lc.prefill(r), RequestError),                       # already prefilled
         (lambda lc, r: lc.decode([r, r]), RequestError),
+        (lambda lc, r: lc.step([r], []), RequestError),                    # already prefilled
+        (lambda lc, r: lc.step([], [r, r]), RequestError),
         (lambda lc, r: lc.pool.free([6]), PoolError),                      # never allocated
         (lambda lc, r: lc.pool.alloc(3), OutOfMemoryError),
         (lambda lc, r: lc.make_room(3), OutOfMemoryError),                 # all locked
@@ -253,6 +255,34 @@ def test_bad_input_leaves_everything_unchanged(model, action, error):
     with pytest.raises(error):
         action(lc, r)
     assert state_snapshot(lc) == before
+    lc.check_integrity()
+
+
+def test_a_mixed_step_is_checked_whole_before_it_runs(model):
+    """``Lifecycle.step`` prefills one request and decodes another in one pass; a request in
+    the wrong state, or no slot for a decoding request's next token, raises before anything
+    changes. Then the same step runs, and both get the plain model's greedy tokens."""
+    lc = make(model, capacity=15)
+    r = lc.new_request([1, 2, 3, 4, 5, 6], 3, rid="r")
+    lc.admit(r)
+    lc.prefill(r)
+    lc.insert_running(r)
+    s = lc.new_request([7, 8, 9, 10, 11, 12, 13, 14], 2, rid="s")
+    lc.admit(s)
+    t = lc.new_request([20], 1, rid="t")
+    lc.admit(t)  # the last free slot: none left for r's next token
+    before = state_snapshot(lc)
+    for prefill, decode, error, words in [
+            ([s], [s], RequestError, "must be prefilled"), ([r], [], RequestError, "already"),
+            ([s], [r], OutOfMemoryError, "decode needs 1 new slots")]:
+        with pytest.raises(error, match=words):
+            lc.step(prefill, decode)
+        assert state_snapshot(lc) == before
+    lc.abort(t)
+    p_logits, d_logits = lc.step([s], [r])
+    assert len(p_logits) == len(d_logits) == 1
+    assert s.output == greedy_reference(model, s.prompt.tolist(), 1)
+    assert r.output == greedy_reference(model, r.prompt.tolist(), 2)
     lc.check_integrity()
 
 
