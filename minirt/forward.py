@@ -401,7 +401,6 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     return [logits[r, batch.q_len - x.numel():] for r, x in enumerate(ids)]
 
 
-
 @torch.inference_mode()
 def forward_mixed(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Sequence,
                   working: WorkingKV, decode_tables: Sequence[PageTable],
@@ -432,7 +431,7 @@ def _new_ids(tables: Sequence[PageTable], new_ids: Sequence) -> list[torch.Tenso
     """``new_ids`` as index tensors, PoolError unless there is one per table and each
     table already maps its new tokens' positions."""
     if len(tables) != len(new_ids) or not tables:
-        raise PoolError(f"forward_paged needs one page table per request, got {len(tables)} "
+        raise PoolError(f"a forward pass needs one page table per request, got {len(tables)} "
                         f"tables and {len(new_ids)} id lists")
     ids = [as_index_tensor(x, "token ids") for x in new_ids]
     for r, (t, x) in enumerate(zip(tables, ids, strict=True)):
