@@ -50,7 +50,7 @@ def timing_model(threads: int | None):
 GROUPS = {
     "linear layers (GEMMs)": ("aten::mm", "aten::addmm", "aten::linear",
                               "mkldnn::_linear_pointwise"),
-    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+    "attention": ("minirt::attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math",
                   "aten::_scaled_dot_product_efficient_attention",
                   "aten::_scaled_dot_product_flash_attention",

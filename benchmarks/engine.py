@@ -157,7 +157,8 @@ def where_time_goes(model, repeats: int) -> None:
             forward_paged(model, pool, [table], [ids[1024:]])
     groups = {"linear layers (GEMMs)": ("aten::mm", "aten::addmm",
                                         "mkldnn::_linear_pointwise"),
-              "attention (sdpa)": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+              "attention (sdpa)": ("minirt::attention",
+                                   "aten::_scaled_dot_product_flash_attention_for_cpu",
                                    "aten::_scaled_dot_product_attention_math",
                                    "aten::_scaled_dot_product_efficient_attention",
                                    "aten::_scaled_dot_product_flash_attention"),

@@ -33,7 +33,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     3: ("cache", "widgets"),
     4: ("pool", "forward", "lifecycle"),  # forward: extended by 06 (fast paths), 10 (exact)
     5: ("eviction", "simulate"),
-    6: ("engine", "serve", "replay"),  # serve and replay: chapter 06a, part of chapter 6
+    6: ("engine", "serve", "replay", "kernels"),  # serve, replay: chapter 06a, part of 6
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),
     9: ("tiers", "router", "server_map"),  # server_map: chapter 09a, part of chapter 9

@@ -23,6 +23,7 @@ from functools import cache, partial
 
 import torch
 
+from . import kernels
 from .errors import ModelError, PoolError
 from .model import _GATE_UP, _QKV, _projections, fuse_projections
 from .pool import KVPool, PagedBatch, PageTable, PoolCache, as_index_tensor
@@ -219,16 +220,20 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     merged exactly. ``mask`` broadcasts to ``[b, heads, m, n]`` (bool: True where a key
     counts; or additive); ``causal``: query ``i`` sees keys ``0..i`` (``m == n``).
 
-    On CPU this is torch's flash-attention kernel, which returns the log-sum-exp it keeps
-    anyway; elsewhere the same values from matrix products in fp32. The kernel reads
-    grouped K/V heads in place where this torch's does (``_flash_reads_grouped_kv``);
-    otherwise, and off the CPU, they are repeated first, a copy of every key per query
-    head (for 16 prompts of 576 positions, 40% of a prefill's time). The decode step never
-    needs either, its query rows being grouped by K/V head already.
+    On CPU in fp32 this is minirt's own kernel (``minirt/kernels.py``), where it could be
+    built; else on CPU torch's flash-attention kernel, which returns the log-sum-exp it
+    keeps anyway; elsewhere the same values from matrix products in fp32. Both kernels
+    read grouped K/V heads in place (torch's where this torch's does:
+    ``_flash_reads_grouped_kv``); otherwise, and off the CPU, they are repeated first, a
+    copy of every key per query head (for 16 prompts of 576 positions, 40% of a prefill's
+    time). The decode step never needs either, its query rows being grouped by K/V head.
     """
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
             ~mask, float("-inf"))
+    own = kernels.attention(q, k, v, mask, scale, causal)
+    if own is not None:
+        return own
     group = q.shape[1] // k.shape[1]
     flash = _FLASH_CPU is not None and q.device.type == "cpu"
     if group > 1 and not (flash and _flash_reads_grouped_kv()):

@@ -172,6 +172,18 @@ MAP: list[MapRow] = [
         ("replay.replay", "sglang 0.5.23 `benchmark/serving.py` (python -m "
          "sglang.benchmark.serving)",
          "vllm 0.32.0 `benchmarks/serve.py` (vllm bench serve)", "--request-rate (both)", "-"),
+        ("kernels.attention",
+         "sglang 0.5.23 `srt/layers/attention/intel_amx_backend.py: IntelAMXAttnBackend` "
+         "(sgl_kernel's extend_attention_cpu and decode_attention_cpu); "
+         "sglang 0.5.23 `srt/layers/attention/torch_native_backend.py: TorchNativeAttnBackend` "
+         "(torch's sdpa)",
+         "vllm 0.32.0 `v1/attention/backends/cpu_attn.py: CPUAttentionBackendImpl.forward` "
+         "(cpu_attention_with_kv_cache, one C++ kernel per instruction set: _get_attn_isa)",
+         "--attention-backend intel_amx or torch_native (SGLang: "
+         "sglang 0.5.23 `srt/layers/attention/attention_registry.py: create_intel_amx_backend, "
+         "create_torch_native_backend`)",
+         "paged K/V read in place, bf16 (AMX), decode kernels; minirt's is fp32 prefill only, "
+         "compiled on the reader's machine"),
     ),
     *_rows(
         7,

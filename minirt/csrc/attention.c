@@ -1,0 +1,225 @@
+/* Softmax attention on the CPU in fp32, flash style, for minirt/kernels.py.
+
+   One task is BQ query positions of the query heads that share one K/V head: their rows
+   run together against each tile of BK keys, so a key is read once for the group. The
+   rows sit along the vector (`ld` of 16 rows), the keys and head dimensions along
+   broadcasts, so both matrix products are outer products of a row vector with a
+   broadcast scalar, and the online softmax (max, exp, sum per row) is elementwise over
+   vectors too. Scores are kept in base 2 (q scaled by scale * log2 e): exp2 is a
+   rounding, a polynomial and an exponent shift. Written with GCC/Clang vector extensions,
+   which the compiler lowers to the widest vectors the CPU has (-march=native). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* W floats in a vector, KB keys (or head dims) a register block broadcasts: KB * RV
+   accumulators fit the CPU's vector registers (32 with AVX-512 or NEON, 16 with AVX2). */
+#if defined(__AVX512F__)
+#define W 16
+#define KB 8
+#elif defined(__AVX__)
+#define W 8
+#define KB 4
+#else
+#define W 4
+#define KB 8
+#endif
+#define BQ 32                /* query positions a task takes */
+#define BK 64                /* keys a tile holds */
+#define RV 2                 /* vectors of rows one register block holds */
+#define MAXD 256             /* head_dim at most */
+#define MAXROWS (8 * BQ)     /* at most 8 query heads per K/V head */
+#define MAXTHREADS 256
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef float vf_mem __attribute__((vector_size(W * 4), aligned(4), may_alias));
+typedef int32_t vi_mem __attribute__((vector_size(W * 4), aligned(4), may_alias));
+
+static inline vf splat(float x) { return x - (vf){0}; }  /* exact: folds to a broadcast */
+static inline vf pick(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+static inline vf ld(const float *p) { return *(const vf_mem *)p; }  /* unaligned */
+static inline void st(float *p, vf x) { *(vf_mem *)p = x; }
+
+/* 2^x as 2^n * p(x - n), n = round(x), p a degree-6 fit on [-1/2, 1/2]; 0 below -126,
+   -inf included. */
+static inline vf exp2v(vf x) {
+    const vi low = x < splat(-126.0f);
+    const vf xc = pick(low, splat(-126.0f), x);
+    const vf n = (xc + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
+    const vf f = xc - n;
+    vf p = splat(1.535336188319500e-4f);
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)e) & ~low);
+}
+
+typedef struct {
+    const float *q, *k, *v, *mask;
+    float *out, *lse;
+    int64_t qs[3], ks[3], vs[3], ms[2], os[3], ls[2]; /* strides: batch, head, position */
+    int b, heads, kv_heads, m, n, d, causal, tasks, nthreads;
+    float scale;
+} Args;
+
+/* A task's scratch: q transposed [d][rows], its output transposed [d][rows], and a
+   tile's scores, then probabilities, transposed [BK][rows]. */
+typedef struct { float *qt, *ot, *pt; } Scratch;
+
+static void task(const Args *a, int t, const Scratch *s) {
+    const int G = a->heads / a->kv_heads, d = a->d, blocks = (a->m + BQ - 1) / BQ;
+    const int bi = t / (a->kv_heads * blocks), h = (t / blocks) % a->kv_heads;
+    const int p0 = (t % blocks) * BQ, np = a->m - p0 < BQ ? a->m - p0 : BQ;
+    const int R = G * np, RP = (R + RV * W - 1) / (RV * W) * (RV * W);  /* rows, padded */
+    const float LOG2E = 1.4426950408889634f, c = a->scale * LOG2E;
+    float *qt = s->qt, *ot = s->ot, *pt = s->pt;
+    float mx[MAXROWS], l[MAXROWS];
+    int32_t last[MAXROWS];  /* causal: the last key row r sees (-1 for padding) */
+    for (int r = 0; r < RP; r++) {  /* row r: query head h*G + r/np at position p0 + r%np */
+        const int g = r / np, i = r % np;
+        const float *src = a->q + bi * a->qs[0] + (h * G + g) * a->qs[1] + (p0 + i) * a->qs[2];
+        for (int x = 0; x < d; x++) qt[x * RP + r] = r < R ? src[x] * c : 0.0f;
+        last[r] = r < R ? p0 + i : -1;
+        mx[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(ot, 0, sizeof(float) * d * RP);
+    const int kend = a->causal && p0 + np < a->n ? p0 + np : a->n;
+    const float *kb = a->k + bi * a->ks[0] + h * a->ks[1];
+    const float *vb = a->v + bi * a->vs[0] + h * a->vs[1];
+    for (int j0 = 0; j0 < kend; j0 += BK) {
+        const int nk = kend - j0 < BK ? kend - j0 : BK, nkp = (nk + KB - 1) / KB * KB;
+        /* pt[j][r] = q_r . k_(j0+j): KB keys by RV vectors of rows in registers */
+        for (int r0 = 0; r0 < RP; r0 += RV * W)
+            for (int jb = 0; jb < nkp; jb += KB) {
+                vf acc[KB][RV] = {{{0}}};
+                const float *kr[KB];
+                for (int jj = 0; jj < KB; jj++)  /* past the tile: repeat its last key */
+                    kr[jj] = kb + (j0 + (jb + jj < nk ? jb + jj : nk - 1)) * a->ks[2];
+                for (int x = 0; x < d; x++) {
+                    vf qv[RV];
+                    for (int u = 0; u < RV; u++) qv[u] = ld(qt + x * RP + r0 + u * W);
+                    for (int jj = 0; jj < KB; jj++) {
+                        const vf kx = splat(kr[jj][x]);
+                        for (int u = 0; u < RV; u++) acc[jj][u] += kx * qv[u];
+                    }
+                }
+                for (int jj = 0; jj < KB; jj++)
+                    for (int u = 0; u < RV; u++) st(pt + (jb + jj) * RP + r0 + u * W, acc[jj][u]);
+            }
+        if (a->mask)  /* additive, per (batch, position, key): the same for every head */
+            for (int j = 0; j < nk; j++)
+                for (int r = 0; r < R; r++)
+                    pt[j * RP + r] += LOG2E *
+                        a->mask[bi * a->ms[0] + (p0 + r % np) * a->ms[1] + j0 + j];
+        /* online softmax, a vector of rows at a time: new max, rescale, probabilities */
+        for (int r0 = 0; r0 < RP; r0 += W) {
+            const vi lim = *(const vi_mem *)(last + r0);
+            const vf old = ld(mx + r0);
+            vf top = old;
+            for (int j = 0; j < nk; j++) {
+                vf x = ld(pt + j * RP + r0);
+                if (a->causal) {
+                    x = pick((j0 + j) > lim, splat(-INFINITY), x);
+                    st(pt + j * RP + r0, x);
+                }
+                top = pick(x > top, x, top);
+            }
+            const vi none = top == splat(-INFINITY);  /* no key seen yet: subtract 0 */
+            const vf sub = pick(none, splat(0.0f), top);
+            const vf alpha = exp2v(old - sub);
+            vf sum = {0};
+            for (int j = 0; j < nkp; j++) {
+                const vf p = j < nk ? exp2v(ld(pt + j * RP + r0) - sub) : (vf){0};
+                st(pt + j * RP + r0, p);
+                sum += p;
+            }
+            st(l + r0, ld(l + r0) * alpha + sum);
+            st(mx + r0, top);
+            for (int x = 0; x < d; x++) st(ot + x * RP + r0, ld(ot + x * RP + r0) * alpha);
+        }
+        /* ot[x][r] += sum_j v_(j0+j)[x] pt[j][r]: KB head dims by RV vectors of rows */
+        for (int r0 = 0; r0 < RP; r0 += RV * W)
+            for (int xb = 0; xb < d; xb += KB) {
+                vf acc[KB][RV];
+                for (int xx = 0; xx < KB; xx++)
+                    for (int u = 0; u < RV; u++) acc[xx][u] = ld(ot + (xb + xx) * RP + r0 + u * W);
+                for (int j = 0; j < nk; j++) {
+                    vf pv[RV];
+                    for (int u = 0; u < RV; u++) pv[u] = ld(pt + j * RP + r0 + u * W);
+                    const float *vr = vb + (j0 + j) * a->vs[2] + xb;
+                    for (int xx = 0; xx < KB; xx++) {
+                        const vf vx = splat(vr[xx]);
+                        for (int u = 0; u < RV; u++) acc[xx][u] += vx * pv[u];
+                    }
+                }
+                for (int xx = 0; xx < KB; xx++)
+                    for (int u = 0; u < RV; u++) st(ot + (xb + xx) * RP + r0 + u * W, acc[xx][u]);
+            }
+    }
+    for (int r = 0; r < R; r++) {  /* normalise; lse back to natural log */
+        const int g = r / np, i = r % np;
+        float *dst = a->out + bi * a->os[0] + (h * G + g) * a->os[1] + (p0 + i) * a->os[2];
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int x = 0; x < d; x++) dst[x] = ot[x * RP + r] * inv;
+        a->lse[bi * a->ls[0] + (h * G + g) * a->ls[1] + p0 + i] =
+            l[r] > 0.0f ? (mx[r] + log2f(l[r])) * 0.6931471805599453f : -INFINITY;
+    }
+}
+
+#define SCRATCH (sizeof(float) * (2 * MAXD + BK) * MAXROWS)
+
+/* The tasks on OpenMP threads, handed out one at a time (causal tasks differ in size).
+   Built with -fopenmp, this library links libgomp.so.1, which is the one torch has
+   loaded: the same threads torch's own kernels run on, not a second set competing with
+   them for the cores. Each thread keeps its scratch from call to call. */
+static int run(const Args *a, int threads) {
+    static __thread float *scratch;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(|: failed)
+    for (int t = 0; t < a->tasks; t++) {
+        if (!scratch) scratch = aligned_alloc(64, SCRATCH);
+        if (!scratch) { failed = 1; continue; }
+        const Scratch s = {scratch, scratch + MAXD * MAXROWS, scratch + 2 * MAXD * MAXROWS};
+        task(a, t, &s);
+    }
+    return failed ? -2 : 0;
+}
+
+/* out[b, heads, m, d] and lse[b, heads, m] (natural log) of q[b, heads, m, d] against
+   k, v[b, kv_heads, n, d], through the strides given (the last dimension contiguous;
+   strides: q, k, v 3 each, mask 2 (batch, position), out 3, lse 2), mask additive and
+   shared by the heads or NULL, causal: position i sees keys 0..i. Returns 0, -1 for
+   shapes it does not take, among them those whose tasks have too few rows to fill a
+   register block (a decode step's: torch's kernel runs those faster), -2 when out of
+   memory (then out holds nothing promised). */
+int minirt_attention(const float *q, const float *k, const float *v, const float *mask,
+                     float *out, float *lse, const int64_t *strides, const int *shape,
+                     float scale, int causal, int nthreads) {
+    Args a = {.q = q, .k = k, .v = v, .mask = mask, .out = out, .lse = lse,
+              .b = shape[0], .heads = shape[1], .kv_heads = shape[2], .m = shape[3],
+              .n = shape[4], .d = shape[5], .causal = causal, .scale = scale};
+    memcpy(a.qs, strides, sizeof a.qs);
+    memcpy(a.ks, strides + 3, sizeof a.ks);
+    memcpy(a.vs, strides + 6, sizeof a.vs);
+    memcpy(a.ms, strides + 9, sizeof a.ms);
+    memcpy(a.os, strides + 11, sizeof a.os);
+    memcpy(a.ls, strides + 14, sizeof a.ls);
+    if (a.b < 1 || a.m < 1 || a.n < 1 || a.kv_heads < 1 || a.heads % a.kv_heads ||
+        a.d < 1 || a.d > MAXD || a.d % KB || a.heads / a.kv_heads * BQ > MAXROWS ||
+        a.heads / a.kv_heads * (a.m < BQ ? a.m : BQ) <= (RV - 1) * W)
+        return -1;
+    a.tasks = a.b * a.kv_heads * ((a.m + BQ - 1) / BQ);
+    /* A thread per 2 MFLOP or so, at most nthreads and one per task. */
+    const double flop = 4.0 * a.b * a.heads * (double)a.m * a.n * a.d / (causal ? 2 : 1);
+    int threads = nthreads < 1 ? 1 : nthreads > MAXTHREADS ? MAXTHREADS : nthreads;
+    if (threads > flop / 2e6) threads = flop < 4e6 ? 1 : (int)(flop / 2e6);
+    if (threads > a.tasks) threads = a.tasks;
+    return run(&a, threads);
+}
