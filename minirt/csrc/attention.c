@@ -2,7 +2,7 @@
 
    One task is BQ query positions of the query heads that share one K/V head: their rows
    run together against each tile of BK keys, so a key is read once for the group. The
-   rows sit along the vector (`ld` of 16 rows), the keys and head dimensions along
+   rows sit along the vector (`ld` of W rows, 16 with AVX-512), the keys and head dimensions along
    broadcasts, so both matrix products are outer products of a row vector with a
    broadcast scalar, and the online softmax (max, exp, sum per row) is elementwise over
    vectors too. Scores are kept in base 2 (q scaled by scale * log2 e): exp2 is a
@@ -30,7 +30,6 @@
 #define RV 2                 /* vectors of rows one register block holds */
 #define MAXD 256             /* head_dim at most */
 #define MAXROWS (8 * BQ)     /* at most 8 query heads per K/V head */
-#define MAXTHREADS 256
 
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
@@ -64,7 +63,7 @@ typedef struct {
     const float *q, *k, *v, *mask;
     float *out, *lse;
     int64_t qs[3], ks[3], vs[3], ms[2], os[3], ls[2]; /* strides: batch, head, position */
-    int b, heads, kv_heads, m, n, d, causal, tasks, nthreads;
+    int b, heads, kv_heads, m, n, d, causal, tasks;
     float scale;
 } Args;
 
@@ -218,7 +217,7 @@ int minirt_attention(const float *q, const float *k, const float *v, const float
     a.tasks = a.b * a.kv_heads * ((a.m + BQ - 1) / BQ);
     /* A thread per 2 MFLOP or so, at most nthreads and one per task. */
     const double flop = 4.0 * a.b * a.heads * (double)a.m * a.n * a.d / (causal ? 2 : 1);
-    int threads = nthreads < 1 ? 1 : nthreads > MAXTHREADS ? MAXTHREADS : nthreads;
+    int threads = nthreads < 1 ? 1 : nthreads;
     if (threads > flop / 2e6) threads = flop < 4e6 ? 1 : (int)(flop / 2e6);
     if (threads > a.tasks) threads = a.tasks;
     return run(&a, threads);
