@@ -19,13 +19,16 @@
    and seven GEMMs per layer (minirt before), then attention with one query row per
    K/V head, fused q/k/v and gate/up projections, prepacked (oneDNN) weights, the
    working K/V rows run by ``llama_forward`` (no transformers cache, mask or dispatch),
-   and the shared prefix held and read once for the batch (minirt now).
+   the shared prefix held and read once for the batch, and minirt's decode kernel
+   (``minirt/csrc/decode.c``) for attention instead of torch's (minirt now).
 4. ``--vllm``: the decode step at serve_bench's shapes (1, 4 and 16 requests behind its 4
    prefixes of 512 tokens, 64 of their own each), through minirt's ``Engine.generate`` and
    then vLLM's offline ``LLM`` (in ``.venv-vllm``, ``benchmarks/vllm_decode.py``), measured
    the same way on both: a call of 34 tokens less one of 2, over 32, fresh prompts each.
 5. ``--vllm`` also: those steps' GEMMs alone, minirt's kernel against vLLM's (one
    process, alternated, random weights at the model's shapes: ``vllm_decode.gemm_steps``).
+6. Decode attention alone at section 4's shapes, minirt's decode kernel against torch's
+   path (``cascade_decode``'s two attention calls and merge), every layer's K/V its own.
 
 Timings on a shared machine are noisy: run it on a quiet one; the load average is printed.
 """
@@ -37,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 from _setup import print_split, run_in_vllm, timing_model
@@ -99,6 +103,52 @@ def profile_split(model, batch: int, context: int, steps: int) -> None:
     print_split(prof.key_averages(), wall, steps)
 
 
+def no_decode_kernel(off: bool = True):
+    """A context in which ``cascade_decode`` takes torch's path (two attention calls and
+    the log-sum-exp merge) instead of minirt's decode kernel, where ``off``."""
+    from unittest import mock
+
+    return mock.patch("minirt.kernels.decode", lambda *a, **k: None) if off else nullcontext()
+
+
+def decode_attention(model, repeats: int) -> None:
+    """Decode attention alone at serve_bench's shapes, minirt's kernel against torch's
+    path, every layer with K/V of its own (as in a step, each layer's keys come from
+    memory, not from the cache the layer before left), the two alternated."""
+    from minirt.forward import PrefixGroups, cascade_decode
+
+    cfg = model.config
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    kv_heads, d = cfg.num_key_value_heads, cfg.hidden_size // heads
+    gen = torch.Generator().manual_seed(3)
+    shapes = {1: (0, 512 + 64 + 24), 4: (0, 512 + 64 + 24), 16: (4, 64 + 24)}  # groups, own keys
+    print(f"\n6. Decode attention alone, all {layers} layers of a step, ms (median of "
+          f"{repeats}, alternated): serve_bench's batches, 24 tokens into the answers; at 16 "
+          "requests, 4 groups of 4 behind 512-token prefixes (at 1 and 4 each request is alone)")
+    print(f"   {'requests':>8} {'torch':>8} {'kernel':>8} {'kernel/torch':>13}")
+    for b, (g, own) in shapes.items():
+        q = torch.randn(layers, b, heads, 1, d, generator=gen)
+        k, v = (torch.randn(layers, b, kv_heads, own, d, generator=gen) for _ in range(2))
+        pk, pv = (torch.randn(layers, max(g, 1), kv_heads, 512, d, generator=gen)
+                  for _ in range(2))
+        groups = PrefixGroups.of([list(range(i, b, g)) for i in range(g)], [512] * g)
+
+        def step(q=q, k=k, v=v, pk=pk, pv=pv, groups=groups) -> float:
+            start = time.perf_counter()
+            for i in range(layers):
+                cascade_decode(q[i], k[i], v[i], None, pk[i], pv[i], groups, d ** -0.5)
+            return time.perf_counter() - start
+
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(repeats):
+            for kernel in (False, True):
+                with no_decode_kernel(not kernel):
+                    step()
+                    times[kernel].append(step())
+        torch_ms, kernel_ms = (statistics.median(times[x]) * 1e3 for x in (False, True))
+        print(f"   {b:>8} {torch_ms:8.2f} {kernel_ms:8.2f} {kernel_ms / torch_ms:13.2f}")
+
+
 def choices(batch: int, context: int, steps: int) -> None:
     """The decode step built up one change at a time, the engines stepped in turn."""
     from unittest import mock
@@ -108,16 +158,17 @@ def choices(batch: int, context: int, steps: int) -> None:
     plain, fused, packed = (load_model(dtype=torch.float32)[0] for _ in range(3))
     fuse_projections(fused, prepack=False)
     fuse_projections(packed)
-    variants = {  # name: (model, attention, keep the working K/V, share its prefix)
-        "gather each layer, transformers' sdpa, 7 GEMMs": (plain, "sdpa", False, False),
-        "+ one query row per K/V head": (plain, ATTENTION, False, False),
-        "+ q/k/v and gate/up fused (4 GEMMs)": (fused, ATTENTION, False, False),
-        "+ prepacked weights": (packed, ATTENTION, False, False),
-        "+ working K/V rows, llama_forward": (packed, ATTENTION, True, False),
-        "+ shared prefix read once (minirt)": (packed, ATTENTION, True, True),
+    variants = {  # name: (model, attention, keep the working K/V, share its prefix, kernel)
+        "gather each layer, transformers' sdpa, 7 GEMMs": (plain, "sdpa", False, False, False),
+        "+ one query row per K/V head": (plain, ATTENTION, False, False, False),
+        "+ q/k/v and gate/up fused (4 GEMMs)": (fused, ATTENTION, False, False, False),
+        "+ prepacked weights": (packed, ATTENTION, False, False, False),
+        "+ working K/V rows, llama_forward": (packed, ATTENTION, True, False, False),
+        "+ shared prefix read once": (packed, ATTENTION, True, True, False),
+        "+ minirt's decode kernel (minirt)": (packed, ATTENTION, True, True, True),
     }
     engines = {}
-    for name, (model, attention, keep, share) in variants.items():
+    for name, (model, attention, keep, share, _) in variants.items():
         model.set_attn_implementation(attention)
         # Engine() fuses the model it serves; the unfused variants must stay unfused.
         with mock.patch("minirt.engine.fuse_projections", lambda m: 0):
@@ -128,11 +179,12 @@ def choices(batch: int, context: int, steps: int) -> None:
             engine.lifecycle.working = WorkingKV(engine.pool, min_prefix=sys.maxsize)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(steps):
-        for name, (model, attention, keep, _) in variants.items():
+        for name, (model, attention, keep, _, kernel) in variants.items():
             model.set_attn_implementation(attention)
             # Without the working rows a decode step is transformers' forward over the
             # pool (chapter 04's PoolCache), as it was before llama_forward.
-            with mock.patch("minirt.forward.is_llama", lambda m, keep=keep: keep):
+            with (mock.patch("minirt.forward.is_llama", lambda m, keep=keep: keep),
+                  no_decode_kernel(not kernel)):
                 times[name] += step_times(engines[name], 1)
     plain.set_attn_implementation(ATTENTION)
     outputs = {tuple(tuple(j.output_ids) for j in e.running) for e in engines.values()}
@@ -246,6 +298,7 @@ def main() -> None:
         choices(*args.profile_at, args.steps)
     if args.vllm:
         vllm_side_by_side(model, args.repeats)
+    decode_attention(model, 7)
     print(f"\nload average now {os.getloadavg()[0]:.2f}")
 
 

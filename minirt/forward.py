@@ -1010,13 +1010,10 @@ class WorkingKV:
         lengths, own = self.lengths, self.own  # row positions in use before this step
         width = int(own.max()) + 1
         new_slots = torch.stack([tables[i].slots[-1] for i in order]).to(device)
-        if bool((own == width - 1).all()):  # rows of one length: one column, no mask
-            rows, column, mask = slice(0, n), width - 1, None
+        if bool((own == width - 1).all()):  # rows of one length: one column, all keys
+            rows, column, seen = slice(0, n), width - 1, None
         else:
-            rows, column = torch.arange(n, device=device), own.to(device)
-            mask = torch.zeros(n, 1, 1, width, dtype=self.pool.dtype, device=device)
-            mask.masked_fill_((torch.arange(width) > own[:, None]).view(n, 1, 1, width)
-                              .to(device), float("-inf"))
+            rows, column, seen = torch.arange(n, device=device), own.to(device), own + 1
         rows_of = [_rows_of(self.held, h) for h in self.bank]
         groups = PrefixGroups.of(rows_of, [len(h) for h in self.bank], self.pk.dtype, device)
         if deterministic:  # each group's rows, and the rows of no group (a prefix of none)
@@ -1034,7 +1031,7 @@ class WorkingKV:
             keys[rows, :, column] = k[0].transpose(0, 1)
             values[rows, :, column] = v[0].transpose(0, 1)
             if not deterministic:
-                return cascade_decode(q, keys[:n, :, :width], values[:n, :, :width], mask,
+                return cascade_decode(q, keys[:n, :, :width], values[:n, :, :width], seen,
                                       self.pk[layer, :g, :, :p], self.pv[layer, :g, :, :p],
                                       groups, scale).reshape(1, n, -1)
             out = q.new_empty(n, 1, q.shape[1], q.shape[3])
@@ -1048,7 +1045,7 @@ class WorkingKV:
         def after() -> None:
             # The new K/V of every layer, now in the rows, into their pool slots in one copy.
             k_new, v_new = self.k[:, rows, :, column], self.v[:, rows, :, column]
-            if mask is not None:  # advanced indices around a slice: their dimension first
+            if seen is not None:  # advanced indices around a slice: their dimension first
                 k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)
             self.pool.k.index_copy_(1, new_slots, k_new)
             self.pool.v.index_copy_(1, new_slots, v_new)
@@ -1066,13 +1063,16 @@ class PrefixGroups:
     """Which rows of a decode batch read which of ``G`` held prefixes, laid out for one
     attention call over all of them: ``index`` ``[G, m]`` each group's rows (a group of
     fewer than ``m`` padded with its first row), ``real`` the places in ``index.view(-1)``
-    that are not padding, ``rows`` the row numbers there, and ``mask`` ``[G, 1, 1, P]``
-    (additive: ``-inf`` past a shorter prefix's end) or None when all ``G`` are ``P`` long."""
+    that are not padding, ``rows`` the row numbers there, ``mask`` ``[G, 1, 1, P]``
+    (additive: ``-inf`` past a shorter prefix's end) or None when all ``G`` are ``P`` long;
+    ``sizes`` and ``lengths`` (int64, on the CPU) each group's rows and prefix positions."""
 
     index: torch.Tensor
     real: torch.Tensor
     rows: torch.Tensor
     mask: torch.Tensor | None
+    sizes: torch.Tensor
+    lengths: torch.Tensor
 
     @classmethod
     def of(cls, groups: Sequence[Sequence[int]], lengths: Sequence[int],
@@ -1091,25 +1091,39 @@ class PrefixGroups:
             past = torch.arange(p) >= torch.tensor(lengths)[:, None]
             mask = torch.zeros(len(groups), 1, 1, p, dtype=dtype).masked_fill_(
                 past[:, None, None], float("-inf")).to(device)
-        return cls(index, real, index.view(-1)[real], mask)
+        return cls(index, real, index.view(-1)[real], mask,
+                   torch.tensor([len(g) for g in groups]), torch.tensor(list(lengths)))
 
 
 def cascade_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   mask: torch.Tensor | None, prefix_k: torch.Tensor | None,
+                   own: torch.Tensor | None, prefix_k: torch.Tensor | None,
                    prefix_v: torch.Tensor | None, groups: PrefixGroups | None,
                    scale: float) -> torch.Tensor:
-    """Decode attention of ``query`` ``[b, heads, 1, head_dim]`` over each sequence's own
-    ``key``, ``value`` ``[b, kv_heads, n, head_dim]`` (``mask`` as in ``attention_lse``)
-    and, for the rows of each of ``groups``, the prefix ``prefix_k``, ``prefix_v``
-    ``[G, kv_heads, P, head_dim]`` they share before those: ``[b, 1, heads, head_dim]``.
+    """Decode attention of ``query`` ``[b, heads, 1, head_dim]`` over the first ``own[r]``
+    of each sequence's own ``key``, ``value`` ``[b, kv_heads, n, head_dim]`` (``own`` None:
+    all ``n``) and, for the rows of each of ``groups``, the prefix ``prefix_k``,
+    ``prefix_v`` ``[G, kv_heads, P, head_dim]`` they share before those: ``[b, 1, heads,
+    head_dim]``.
 
-    ``shared_prefix_attention`` with one prefix per group of sequences: each prefix is read
-    once, by all its group's query rows of a K/V head, the ``G`` prefixes in one attention
-    call (its batch), and merged into their own half through the two log-sum-exps; a
-    sequence in no group sees its own keys.
+    On CPU in fp32 this is minirt's decode kernel (``kernels.decode``): each group's query
+    rows read its prefix together, then each row its own keys, the softmax carried across
+    in one pass. Otherwise it is ``shared_prefix_attention`` with one prefix per group of
+    sequences: each prefix is read once, by all its group's query rows of a K/V head, the
+    ``G`` prefixes in one attention call (its batch), and merged into their own half
+    through the two log-sum-exps; a sequence in no group sees its own keys.
     """
     b, heads, _, d = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, n = key.shape[1], key.shape[2]
+    fast = kernels.decode(query.view(b, heads, d), key, value, own, scale, *(
+        () if groups is None else (prefix_k, prefix_v, groups.index, groups.sizes,
+                                   groups.lengths)))
+    if fast is not None:
+        return fast.view(b, 1, heads, d)
+    mask = None
+    if own is not None:
+        past = torch.arange(n) >= own.cpu()[:, None]
+        mask = torch.zeros(b, 1, 1, n, dtype=query.dtype).masked_fill_(
+            past[:, None, None], float("-inf")).to(query.device)
     group = heads // kv_heads
     q = query.reshape(b, kv_heads, group, d)  # the query heads of a K/V head: its rows
     out, lse = attention_lse(q, key, value, mask, scale)

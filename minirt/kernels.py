@@ -1,20 +1,23 @@
-"""minirt's own CPU attention kernel (``csrc/attention.c``), compiled on first use.
+"""minirt's own CPU attention kernels (``csrc/``), compiled on first use.
 
 Torch's CPU flash-attention kernel runs a 576-token prefill's attention at about 66
 GFLOP/s on an AVX-512 machine, 2.4x the time of vLLM's C++ kernel for the same work
-(``benchmarks/prefill.py --vllm``). ``attention`` is the same computation, written for
-the shapes minirt sends: the query heads of a K/V head as the rows of one tile, keys
-read once for them. It is built with the C compiler (``$CC``, else ``cc``) at
-``-O3 -march=native -fopenmp`` into ``cache_dir()/kernels``, named by a hash of the
-source, the flags and the CPU, and loaded with ctypes; its OpenMP calls go to the
-``libgomp.so.1`` torch has already loaded, so it runs on torch's threads. Where there is
-no compiler, the build or the load fails (logged at INFO), ``MINIRT_KERNELS=0`` is set,
-or the tensors are not fp32 on the CPU, ``attention`` returns None and the caller uses
-torch's kernel: the same values to within rounding.
+(``benchmarks/prefill.py --vllm``), and a decode step's attention, a few query rows over
+many keys, at a quarter of the memory bandwidth. ``attention`` (``csrc/attention.c``) is
+prefill's computation written for the shapes minirt sends: the query heads of a K/V head
+as the rows of one tile, keys read once for them. ``decode`` (``csrc/decode.c``) is a
+decode step's: each row over its group's prefix, then its own keys, in one pass. They are
+built with the C compiler (``$CC``, else ``cc``) at ``-O3 -march=native -fopenmp`` into
+``cache_dir()/kernels``, named by a hash of the sources, the flags and the CPU, and loaded
+with ctypes; their OpenMP calls go to the ``libgomp.so.1`` torch has already loaded, so
+they run on torch's threads. Where there is no compiler, the build or the load fails
+(logged at INFO), ``MINIRT_KERNELS=0`` is set, or the tensors are not fp32 on the CPU,
+they return None and the caller uses torch's kernels: the same values to within rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -29,11 +32,14 @@ import torch
 
 from minirt.model import cache_dir
 
-SOURCE = Path(__file__).with_name("csrc") / "attention.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "attention.c", CSRC / "decode.c")
+HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 log = logging.getLogger(__name__)
-PROFILER_NAME = "minirt::attention"  # how the kernel's calls show in torch's profiler
+PROFILER_NAME = "minirt::attention"  # how the kernels' calls show in torch's profiler
+_NONE = torch.zeros(0, dtype=torch.int64)  # no groups: no rows, sizes or lengths
 _P = ctypes.c_void_p
 
 
@@ -51,39 +57,52 @@ def _cpu_id() -> str:
     return f"{platform.machine()} {flags}"
 
 
+def _profiled() -> contextlib.AbstractContextManager:
+    """A kernel call as ``PROFILER_NAME`` in torch's profiler while it records (the record
+    costs about 6 us a call, a fifth of a small decode attention's)."""
+    if _profiling():
+        return torch.profiler.record_function(PROFILER_NAME)
+    return contextlib.nullcontext()
+
+
+_profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+
+
 @cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per source, flags and CPU; None where it cannot
-    be built or ``MINIRT_KERNELS=0``."""
+    """The compiled kernels, built once per sources, flags and CPU; None where they
+    cannot be built or ``MINIRT_KERNELS=0``."""
     if os.environ.get("MINIRT_KERNELS", "1") == "0":
         return None
     cc = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join((cc, *FLAGS, *LIBS)).encode(),
+    sources = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256(b"\0".join([*sources, " ".join((cc, *FLAGS, *LIBS)).encode(),
                                      _cpu_id().encode()])).hexdigest()[:16]
     folder = cache_dir() / "kernels"
-    path = folder / f"attention-{key}.so"
+    path = folder / f"kernels-{key}.so"
     if not path.exists():
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then moved
                 out = Path(tmp) / path.name
-                subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), *LIBS], check=True,
+                subprocess.run([cc, *FLAGS, "-o", str(out), *map(str, SOURCES), *LIBS], check=True,
                                capture_output=True, timeout=120)
                 os.replace(out, path)
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
-            log.info("minirt's attention kernel was not built (%s); torch's kernel runs. %s",
+            log.info("minirt's kernels were not built (%s); torch's kernels run. %s",
                      e, detail.decode(errors="replace")[-2000:])
             return None
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        log.info("minirt's attention kernel did not load (%s); torch's kernel runs.", e)
+        log.info("minirt's kernels did not load (%s); torch's kernels run.", e)
         return None
     lib.minirt_attention.restype = ctypes.c_int
     lib.minirt_attention.argtypes = [_P] * 6 + [_P, _P, ctypes.c_float, ctypes.c_int,
                                                 ctypes.c_int]
+    lib.minirt_decode.restype = ctypes.c_int
+    lib.minirt_decode.argtypes = [_P] * 12 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -117,9 +136,57 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     strides = (ctypes.c_int64 * 16)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                                     *mask_strides, *out.stride()[:3], *lse.stride()[:2])
     shape = (ctypes.c_int * 6)(b, heads, kv_heads, m, n, d)
-    with torch.profiler.record_function(PROFILER_NAME):
+    with _profiled():
         rc = lib.minirt_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                   0 if mask is None else mask.data_ptr(), out.data_ptr(),
                                   lse.data_ptr(), strides, shape, scale, int(causal),
                                   torch.get_num_threads())
     return (out, lse) if rc == 0 else None
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: torch.Tensor | None,
+           scale: float, prefix_k: torch.Tensor | None = None,
+           prefix_v: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+           sizes: torch.Tensor | None = None,
+           lengths: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``cascade_decode`` (``minirt/forward.py``) by minirt's kernel: the attention ``[b,
+    heads, d]`` of ``q`` ``[b, heads, d]``, one position per row, over the first ``own[r]``
+    keys of ``k``, ``v`` ``[b, kv_heads, n, d]`` (``own`` None: all ``n``), after the
+    prefix its group holds, if any: prefix ``g`` of ``prefix_k``, ``prefix_v`` ``[G,
+    kv_heads, P, d]`` is read by rows ``rows[g, :sizes[g]]`` (``PrefixGroups``' ``index``)
+    to its first ``lengths[g]`` positions. None for what it leaves to torch: not fp32 on
+    the CPU, head_dim not a multiple of the vector width, a row in two groups or with no
+    keys, or no kernel."""
+    b, heads, d = q.shape
+    kv_heads, n = k.shape[1], k.shape[2]
+    grouped = rows is not None
+    tensors = (q, k, v, prefix_k, prefix_v) if grouped else (q, k, v)
+    if (q.device.type != "cpu" or any(x.dtype != torch.float32 for x in tensors)
+            or heads % kv_heads):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    own = (torch.full((b,), n, dtype=torch.int64) if own is None
+           else own.to("cpu", torch.int64).contiguous())
+    if grouped:
+        prefix_k, prefix_v = (x if x.stride(-1) == 1 else x.contiguous()
+                              for x in (prefix_k, prefix_v))
+        rows, sizes, lengths = (x.to("cpu", torch.int64).contiguous()
+                                for x in (rows, sizes, lengths))
+    else:
+        prefix_k = prefix_v = k.new_empty(0, kv_heads, 0, d)
+        rows = sizes = lengths = _NONE
+    out = q.new_empty(b, heads, d)
+    strides = (ctypes.c_int64 * 16)(*q.stride()[:2], *k.stride()[:3], *v.stride()[:3],
+                                    *prefix_k.stride()[:3], *prefix_v.stride()[:3],
+                                    *out.stride()[:2])
+    shape = (ctypes.c_int * 8)(b, heads, kv_heads, d, sizes.numel(),
+                               rows.shape[1] if grouped else 0, n, prefix_k.shape[2])
+    with _profiled():
+        rc = lib.minirt_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), prefix_k.data_ptr(),
+                               prefix_v.data_ptr(), out.data_ptr(), own.data_ptr(),
+                               rows.data_ptr(), sizes.data_ptr(), lengths.data_ptr(), strides,
+                               shape, scale, torch.get_num_threads())
+    return out if rc == 0 else None

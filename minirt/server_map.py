@@ -182,8 +182,18 @@ MAP: list[MapRow] = [
          "--attention-backend intel_amx or torch_native (SGLang: "
          "sglang 0.5.23 `srt/layers/attention/attention_registry.py: create_intel_amx_backend, "
          "create_torch_native_backend`)",
-         "paged K/V read in place, bf16 (AMX), decode kernels; minirt's is fp32 prefill only, "
-         "compiled on the reader's machine"),
+         "paged K/V read in place, bf16 (AMX); minirt's is fp32 only, compiled on the "
+         "reader's machine"),
+        ("kernels.decode",
+         "sglang 0.5.23 `srt/layers/attention/intel_amx_backend.py: "
+         "IntelAMXAttnBackend.forward_decode` (sgl_kernel's decode_attention_cpu over each "
+         "sequence's tokens in req_to_token, partial results for num_kv_splits = 8 parts)",
+         "vllm 0.32.0 `v1/attention/backends/cpu_attn.py: CPUAttentionBackendImpl.forward` "
+         "(the same cpu_attention_with_kv_cache over each request's blocks, scheduled with "
+         "enable_kv_split from vllm 0.32.0 `envs.py: VLLM_CPU_ATTN_SPLIT_KV`, on by default)",
+         "--attention-backend (both)",
+         "both read a shared prefix once per request and can split a request's keys into "
+         "parts; minirt reads it once per group, splitting a group's rows across threads"),
     ),
     *_rows(
         7,

@@ -39,16 +39,14 @@ def test_attention_split_at_a_shared_prefix_is_whole_attention(monkeypatch, kern
     minirt's CPU kernel (where it takes the shape: the 9 causal rows of each query head),
     on torch's CPU kernel (reading grouped K/V heads in place, or repeated first, as on a
     torch whose kernel cannot) and on the matrix-product path other devices take."""
-    import minirt.forward as forward_module
-
     if kernel != "minirt's cpu kernel":
-        monkeypatch.setattr(forward_module.kernels, "attention", lambda *a: None)
-    elif forward_module.kernels.library() is None:
+        monkeypatch.setattr(forward.kernels, "attention", lambda *a: None)
+    elif forward.kernels.library() is None:
         pytest.skip("minirt's kernel could not be built here (no C compiler?)")
     if kernel == "matrix products":
-        monkeypatch.setattr(forward_module, "_FLASH_CPU", None)
+        monkeypatch.setattr(forward, "_FLASH_CPU", None)
     if kernel == "cpu flash, heads repeated":
-        monkeypatch.setattr(forward_module, "_flash_reads_grouped_kv", lambda: False)
+        monkeypatch.setattr(forward, "_flash_reads_grouped_kv", lambda: False)
     gen = torch.Generator().manual_seed(4)
     b, heads, kv_heads, d, p, n = 3, 6, 2, 8, 7, 9
     q = torch.randn(b, heads, m, d, generator=gen)
@@ -91,16 +89,17 @@ def test_attention_split_at_a_shared_prefix_is_whole_attention(monkeypatch, kern
         assert torch.equal(repeated[0], out) and torch.equal(repeated[1], lse)
 
 
-def test_cascade_decode_reads_every_groups_prefix_in_one_call(monkeypatch):
-    """``cascade_decode``: rows behind two prefixes of different lengths, in one attention
-    call over both (the shorter one's finite garbage past its end masked), and rows in no
-    group, behind ragged own keys, equal attention over each row's whole keys."""
+@pytest.mark.parametrize("path", ["minirt's decode kernel", "torch's attention"])
+def test_cascade_decode_reads_every_groups_prefix_in_one_call(monkeypatch, path):
+    """``cascade_decode``: rows behind two prefixes of different lengths and rows in no
+    group, behind ragged own keys, equal attention over each row's whole keys. On torch's
+    path it is two attention calls, the own keys and both prefixes at once (the shorter
+    one's finite garbage past its end masked); minirt's kernel makes none."""
     gen = torch.Generator().manual_seed(8)
-    b, kv_heads, group, d, n = 5, 2, 3, 8, 6
+    b, kv_heads, group, d, n = 5, 2, 3, 16, 6
     q = torch.randn(b, kv_heads * group, 1, d, generator=gen)
     own_k, own_v = torch.randn(2, b, kv_heads, n, d, generator=gen)
     own = torch.tensor([6, 3, 5, 2, 4])  # own keys each row sees
-    mask = (torch.arange(n) < own[:, None])[:, None, None]
     lengths = [7, 4]
     pk, pv = torch.randn(2, 2, kv_heads, 7, d, generator=gen)  # prefix 1: 3 positions past it
     rows = [[0, 3], [2]]  # rows 1 and 4: no prefix
@@ -108,8 +107,12 @@ def test_cascade_decode_reads_every_groups_prefix_in_one_call(monkeypatch):
     calls = []
     monkeypatch.setattr(forward, "attention_lse",
                         lambda *a, f=forward.attention_lse, **k: calls.append(1) or f(*a, **k))
-    got = cascade_decode(q, own_k, own_v, mask, pk, pv, groups, 0.4)
-    assert len(calls) == 2  # the own keys, then both prefixes at once
+    if path == "torch's attention":
+        monkeypatch.setattr(forward.kernels, "decode", lambda *a: None)
+    elif forward.kernels.library() is None:
+        pytest.skip("no C compiler: minirt uses torch's kernels")
+    got = cascade_decode(q, own_k, own_v, own, pk, pv, groups, 0.4)
+    assert len(calls) == (2 if path == "torch's attention" else 0)
     for r in range(b):
         g = [i for i, members in enumerate(rows) if r in members]
         keys, values = own_k[r, :, :own[r]], own_v[r, :, :own[r]]

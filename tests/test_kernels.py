@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirt import kernels
-from minirt.forward import attention_lse
+from minirt.forward import PrefixGroups, attention_lse
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
                                     reason="no C compiler: minirt uses torch's kernel")
@@ -130,7 +130,7 @@ def test_switched_off_or_unbuildable_it_falls_back(monkeypatch, tmp_path, caplog
             m.setenv(env, value)
             kernels.library.cache_clear()
             assert kernels.library() is None
-            assert ("was not built" in caplog.text) == (env == "CC")
+            assert ("were not built" in caplog.text) == (env == "CC")
             assert kernels.attention(q, k, v, None, 0.125, True) is None
             got = attention_lse(q, k, v, None, 0.125, causal=True)
             torch.testing.assert_close(got[0].double(), want[0], rtol=0, atol=1e-4)
@@ -145,7 +145,7 @@ def test_it_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
     kernels.library.cache_clear()
     try:
         assert kernels.library() is not None
-        built = list((tmp_path / "kernels").glob("attention-*.so"))
+        built = list((tmp_path / "kernels").glob("kernels-*.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns
         kernels.library.cache_clear()
@@ -153,3 +153,110 @@ def test_it_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
         assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("*.so")] == [stamp]
     finally:
         kernels.library.cache_clear()
+
+
+def decode_case(seed, b, kv_heads, group, d, grouped, spare):
+    """A decode step's inputs as ``WorkingKV`` lays them: q ``[b, heads, d]``, the rows'
+    own K/V a view of a longer buffer (``spare`` positions past the widest), ragged own
+    lengths (at least 1), and prefixes of different lengths side by side, held by the
+    groups ``grouped`` says (a list of row lists; the other rows are in no group)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 1 + int(torch.randint(0, 90, (1,), generator=gen))
+    q = torch.randn(b, kv_heads * group, d, generator=gen) * 2
+    k, v = (torch.randn(b + 1, kv_heads, n + spare, d, generator=gen)[:b, :, :n]
+            for _ in range(2))
+    own = torch.randint(1, n + 1, (b,), generator=gen)
+    lengths = [int(x) for x in torch.randint(0, 150, (len(grouped),), generator=gen)]
+    p = max(lengths, default=0)
+    pk, pv = (torch.randn(len(grouped), kv_heads, p + spare, d, generator=gen)
+              for _ in range(2))
+    return q, k, v, own, pk, pv, lengths
+
+
+def decode_reference(q, k, v, own, pk, pv, grouped, lengths, scale):
+    """Each row's attention over its prefix then its own keys, in float64."""
+    out = []
+    for r in range(q.shape[0]):
+        g = [i for i, rows in enumerate(grouped) if r in rows]
+        keys, values = k[r, :, :own[r]], v[r, :, :own[r]]
+        if g:
+            keys = torch.cat([pk[g[0], :, :lengths[g[0]]], keys], 1)
+            values = torch.cat([pv[g[0], :, :lengths[g[0]]], values], 1)
+        group = q.shape[1] // k.shape[1]
+        keys, values = (x.double().repeat_interleave(group, 0) for x in (keys, values))
+        scores = torch.einsum("hd,hnd->hn", q[r].double(), keys) * scale
+        out.append(torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), values))
+    return torch.stack(out)
+
+
+def decode(q, k, v, own, pk, pv, groups, scale):
+    """``kernels.decode`` for the rows ``groups`` (``PrefixGroups``) puts behind prefixes."""
+    if groups is None:
+        return kernels.decode(q, k, v, own, scale)
+    return kernels.decode(q, k, v, own, scale, pk, pv, groups.index, groups.sizes,
+                          groups.lengths)
+
+
+@st.composite
+def partitions(draw, b):
+    """Some of rows 0..b-1 (each at most once) in groups, in any order."""
+    rows = draw(st.permutations(range(b)))
+    cuts = sorted(draw(st.lists(st.integers(0, b), max_size=4)))
+    parts = [rows[i:j] for i, j in zip([0, *cuts], [*cuts, b], strict=True)]
+    return [list(p) for p in parts[:-1] if p]  # the last part: rows in no group
+
+
+@needs_compiler
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 12), kv_heads=st.integers(1, 3),
+       group=st.sampled_from([1, 2, 3, 4, 7]), d=st.sampled_from([16, 48, 64, 128]),
+       data=st.data())
+def test_the_decode_kernel_is_attention(seed, b, kv_heads, group, d, data):
+    """``kernels.decode`` gives float64 attention over each row's prefix and own keys to
+    1e-4, whatever the groups, their prefixes' lengths (none included), the own lengths,
+    the group size and the strides."""
+    grouped = data.draw(partitions(b))
+    q, k, v, own, pk, pv, lengths = decode_case(seed, b, kv_heads, group, d, grouped, 5)
+    groups = PrefixGroups.of(grouped, lengths) if grouped else None
+    got = decode(q, k, v, own, pk, pv, groups, d ** -0.5)
+    assert got is not None and got.shape == q.shape
+    want = decode_reference(q, k, v, own, pk, pv, grouped, lengths, d ** -0.5)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
+
+
+@needs_compiler
+def test_decode_threads_and_splits_do_not_change_a_bit():
+    """A group's rows are split into more units as threads grow (so that every thread has
+    work), but each row is computed alone, in a fixed order: the same bits."""
+    q, k, v, own, pk, pv, lengths = decode_case(5, 8, 1, 3, 64, [list(range(8))], 0)
+    groups = PrefixGroups.of([list(range(8))], lengths)
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            got.append(decode(q, k, v, own, pk, pv, groups, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(got[0], x) for x in got[1:])
+
+
+@needs_compiler
+def test_what_the_decode_kernel_refuses():
+    """Not fp32, a head_dim not a multiple of every vector width, a row in two groups or
+    past the batch, a row with more own keys than there are or none at all: None; the
+    caller's torch path then answers or raises."""
+    q, k, v, own, pk, pv, lengths = decode_case(6, 4, 3, 3, 64, [[0, 1], [2]], 0)
+    lengths = [5, 7]
+    good = PrefixGroups.of([[0, 1], [2]], lengths)
+    assert decode(q, k, v, own, pk, pv, good, 0.125) is not None
+    none = torch.zeros(4, dtype=torch.int64)
+    refused = [(q.bfloat16(), k.bfloat16(), v.bfloat16(), own, pk.bfloat16(), pv.bfloat16(),
+                good),
+               (q[..., :10], k[..., :10], v[..., :10], own, pk[..., :10], pv[..., :10], good),
+               (q, k, v, own, pk, pv, PrefixGroups.of([[0, 1], [1]], lengths)),
+               (q, k, v, own, pk, pv, PrefixGroups.of([[0, 4], [2]], lengths)),
+               (q, k, v, own + k.shape[2], pk, pv, good),
+               (q, k, v, none, pk, pv, PrefixGroups.of([[0, 1], [2]], [0, 7]))]
+    for args in refused:
+        assert decode(*args, 0.125) is None

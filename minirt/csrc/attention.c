@@ -2,27 +2,25 @@
 
    One task is BQ query positions of the query heads that share one K/V head: their rows
    run together against each tile of BK keys, so a key is read once for the group. The
-   rows sit along the vector (`ld` of W rows, 16 with AVX-512), the keys and head dimensions along
+   rows sit along the vector (`ld` of W rows, vec.h), the keys and head dimensions along
    broadcasts, so both matrix products are outer products of a row vector with a
    broadcast scalar, and the online softmax (max, exp, sum per row) is elementwise over
    vectors too. Scores are kept in base 2 (q scaled by scale * log2 e): exp2 is a
-   rounding, a polynomial and an exponent shift. Written with GCC/Clang vector extensions,
-   which the compiler lowers to the widest vectors the CPU has (-march=native). */
+   rounding, a polynomial and an exponent shift. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* W floats in a vector, KB keys (or head dims) a register block broadcasts: KB * RV
-   accumulators fit the CPU's vector registers (32 with AVX-512 or NEON, 16 with AVX2). */
-#if defined(__AVX512F__)
-#define W 16
+#include "vec.h"
+
+/* KB keys (or head dims) a register block broadcasts: KB * RV accumulators fit the CPU's
+   vector registers (32 with AVX-512 or NEON, 16 with AVX2). */
+#if W == 16
 #define KB 8
-#elif defined(__AVX__)
-#define W 8
+#elif W == 8
 #define KB 4
 #else
-#define W 4
 #define KB 8
 #endif
 #define BQ 32                /* query positions a task takes */
@@ -30,34 +28,6 @@
 #define RV 2                 /* vectors of rows one register block holds */
 #define MAXD 256             /* head_dim at most */
 #define MAXROWS (8 * BQ)     /* at most 8 query heads per K/V head */
-
-typedef float vf __attribute__((vector_size(W * 4)));
-typedef int32_t vi __attribute__((vector_size(W * 4)));
-typedef float vf_mem __attribute__((vector_size(W * 4), aligned(4), may_alias));
-typedef int32_t vi_mem __attribute__((vector_size(W * 4), aligned(4), may_alias));
-
-static inline vf splat(float x) { return x - (vf){0}; }  /* exact: folds to a broadcast */
-static inline vf pick(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
-static inline vf ld(const float *p) { return *(const vf_mem *)p; }  /* unaligned */
-static inline void st(float *p, vf x) { *(vf_mem *)p = x; }
-
-/* 2^x as 2^n * p(x - n), n = round(x), p a degree-6 fit on [-1/2, 1/2]; 0 below -126,
-   -inf included. */
-static inline vf exp2v(vf x) {
-    const vi low = x < splat(-126.0f);
-    const vf xc = pick(low, splat(-126.0f), x);
-    const vf n = (xc + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
-    const vf f = xc - n;
-    vf p = splat(1.535336188319500e-4f);
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return (vf)((vi)(p * (vf)e) & ~low);
-}
 
 typedef struct {
     const float *q, *k, *v, *mask;

@@ -1,0 +1,44 @@
+/* What minirt's CPU kernels share: a vector of W floats (16 with AVX-512, 8 with AVX, else
+   4), written with GCC/Clang vector extensions, which the compiler lowers to the widest
+   vectors the CPU has (-march=native); unaligned loads and stores; 2^x on a vector. */
+#ifndef MINIRT_VEC_H
+#define MINIRT_VEC_H
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#define W 16
+#elif defined(__AVX__)
+#define W 8
+#else
+#define W 4
+#endif
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef float vf_mem __attribute__((vector_size(W * 4), aligned(4), may_alias));
+typedef int32_t vi_mem __attribute__((vector_size(W * 4), aligned(4), may_alias));
+
+static inline vf splat(float x) { return x - (vf){0}; }  /* exact: folds to a broadcast */
+static inline vf pick(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+static inline vf ld(const float *p) { return *(const vf_mem *)p; }  /* unaligned */
+static inline void st(float *p, vf x) { *(vf_mem *)p = x; }
+
+/* 2^x as 2^n * p(x - n), n = round(x), p a degree-6 fit on [-1/2, 1/2]; 0 below -126,
+   -inf included. */
+static inline vf exp2v(vf x) {
+    const vi low = x < splat(-126.0f);
+    const vf xc = pick(low, splat(-126.0f), x);
+    const vf n = (xc + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
+    const vf f = xc - n;
+    vf p = splat(1.535336188319500e-4f);
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)e) & ~low);
+}
+
+#endif
