@@ -117,6 +117,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     b, heads, m, d = q.shape
     kv_heads, n = k.shape[1], k.shape[2]
     if (q.device.type != "cpu" or {q.dtype, k.dtype, v.dtype} != {torch.float32}
+            or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d
             or n == 0 or heads % kv_heads or (causal and m != n) or heads // kv_heads * m <= 16
             or (mask is not None and (mask.dtype != torch.float32 or mask.dim() != 4
                                       or mask.shape[1] != 1))):
@@ -156,14 +157,19 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: torch.Tensor 
     kv_heads, P, d]`` is read by rows ``rows[g, :sizes[g]]`` (``PrefixGroups``' ``index``)
     to its first ``lengths[g]`` positions. None for what it leaves to torch: not fp32 on
     the CPU, head_dim not a multiple of the vector width, a row in two groups or with no
-    keys, or no kernel."""
+    keys, shapes that do not fit together, or no kernel."""
     b, heads, d = q.shape
     kv_heads, n = k.shape[1], k.shape[2]
     grouped = rows is not None
     tensors = (q, k, v, prefix_k, prefix_v) if grouped else (q, k, v)
     if (q.device.type != "cpu" or any(x.dtype != torch.float32 for x in tensors)
-            or heads % kv_heads):
-        return None
+            or heads % kv_heads or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d
+            or (own is not None and own.numel() != b)
+            or (grouped and (prefix_k.shape != prefix_v.shape or prefix_k.dim() != 4
+                             or prefix_k.shape[1] != kv_heads or prefix_k.shape[3] != d
+                             or rows.dim() != 2 or not sizes.numel() == lengths.numel()
+                             == rows.shape[0] <= prefix_k.shape[0]))):
+        return None  # torch's path says what is wrong
     lib = library()
     if lib is None:
         return None

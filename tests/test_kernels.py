@@ -102,14 +102,16 @@ def test_the_threads_do_not_change_a_bit():
 
 
 def test_what_the_kernel_leaves_to_torch():
-    """bf16, a decode step's few rows, a mask that differs between heads and a causal
-    attention that is not square are torch's; ``attention_lse`` still gives attention."""
+    """bf16, a decode step's few rows, a mask that differs between heads, a causal
+    attention that is not square and shapes that do not fit together are torch's;
+    ``attention_lse`` still gives attention."""
     q, k, v, mask = case(3, 1, 3, 3, 40, 40, 64, False, True)
     per_head = mask.expand(1, 9, 40, 40).clone()
     refused = [(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, False),
                (q[:, :, :5], k, v, None, False),  # 3 heads x 5 positions: 15 rows
                (q, k, v, per_head, False),
-               (q[:, :, :20], k, v, None, True)]
+               (q[:, :, :20], k, v, None, True),
+               (q, k, v[:, :, :-1], None, False)]  # K and V of different lengths
     for args in refused:
         assert kernels.attention(*args[:4], 0.125, args[4]) is None
     got = attention_lse(q, k, v, per_head, 0.125)
@@ -244,8 +246,9 @@ def test_decode_threads_and_splits_do_not_change_a_bit():
 @needs_compiler
 def test_what_the_decode_kernel_refuses():
     """Not fp32, a head_dim not a multiple of every vector width, a row in two groups or
-    past the batch, a row with more own keys than there are or none at all: None; the
-    caller's torch path then answers or raises."""
+    past the batch, a row with more own keys than there are or none at all, shapes that
+    do not fit together (which the kernel would read past): None; the caller's torch path
+    then answers or raises."""
     q, k, v, own, pk, pv, lengths = decode_case(6, 4, 3, 3, 64, [[0, 1], [2]], 0)
     lengths = [5, 7]
     good = PrefixGroups.of([[0, 1], [2]], lengths)
@@ -257,6 +260,9 @@ def test_what_the_decode_kernel_refuses():
                (q, k, v, own, pk, pv, PrefixGroups.of([[0, 1], [1]], lengths)),
                (q, k, v, own, pk, pv, PrefixGroups.of([[0, 4], [2]], lengths)),
                (q, k, v, own + k.shape[2], pk, pv, good),
-               (q, k, v, none, pk, pv, PrefixGroups.of([[0, 1], [2]], [0, 7]))]
+               (q, k, v, none, pk, pv, PrefixGroups.of([[0, 1], [2]], [0, 7])),
+               (q, k, v, own[:3], pk, pv, good),  # shapes that do not fit together
+               (q, k, v[:, :, :-1], own, pk, pv, good),
+               (q, k, v, own, pk[:1], pv[:1], good)]
     for args in refused:
         assert decode(*args, 0.125) is None
