@@ -19,7 +19,7 @@
 
 #define MAXD 256 /* head_dim at most */
 
-#define RB 4     /* query rows a block takes: their keys and values are read once for all */
+#define RBMAX 4  /* query rows a block takes at most: their keys and values are read once */
 
 /* Lane permutations, as index lists for __builtin_shufflevector: the even and odd lanes
    of two vectors, and lane i from lane i ^ k of one. */
@@ -92,13 +92,14 @@ static inline vf fold(vf *part) {
 }
 
 /* R query rows (q, scaled to base 2, and acc [R][D]; their running max mx and sum l) go
-   on over n keys and values at kb, vb, a position every ks, vs
-   floats. D, the head_dim, is a constant where the caller inlines it: the loops over it
-   unroll and a block's rows of q and of the output stay in registers. A last block of
-   fewer than RB rows computes its last row again in the rows it lacks, and keeps none. */
+   on over n keys and values at kb, vb, a position every ks, vs floats, RB rows (at most
+   RBMAX) at a time. D, the head_dim, and RB are constants where
+   the caller inlines them: the loops over them unroll and a block's rows of q and of the
+   output stay in registers. A last block of fewer than RB rows computes its last row
+   again in the rows it lacks, and keeps none. */
 static inline __attribute__((always_inline)) void
-over_(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, const int D, int R,
-      const float *q, float *acc, float *mx, float *l) {
+over_(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, const int D,
+      const int RB, int R, const float *q, float *acc, float *mx, float *l) {
     const int DV = D / W;
     for (int j0 = 0; j0 < n; j0 += W) {
         const int nj = n - j0 < W ? n - j0 : W;
@@ -110,9 +111,9 @@ over_(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, const int
         }
         for (int r0 = 0; r0 < R; r0 += RB) {
             const int nr = R - r0 < RB ? R - r0 : RB;
-            int row[RB];
+            int row[RBMAX];
             for (int i = 0; i < RB; i++) row[i] = r0 + (i < nr ? i : nr - 1);
-            vf qv[RB][DV], part[RB][W];
+            vf qv[RBMAX][DV], part[RBMAX][W];
             for (int i = 0; i < RB; i++)
                 for (int x = 0; x < DV; x++) qv[i][x] = ld(q + row[i] * D + x * W);
             for (int j = 0; j < W; j++) {  /* a key read once for the block's rows */
@@ -124,8 +125,8 @@ over_(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, const int
                     part[i][j] = s;
                 }
             }
-            float p[RB][W];
-            vf alpha[RB];
+            float p[RBMAX][W];
+            vf alpha[RBMAX];
             for (int i = 0; i < RB; i++) {  /* online softmax, row by row */
                 const vf s = pick(real, fold(part[i]), splat(-INFINITY));
                 const vf top = all_max(vmax(s, splat(mx[row[i]])));
@@ -137,7 +138,7 @@ over_(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, const int
                     mx[row[i]] = top[0];
                 }
             }
-            vf o[RB][DV];
+            vf o[RBMAX][DV];
             for (int i = 0; i < RB; i++)
                 for (int x = 0; x < DV; x++) o[i][x] = ld(acc + row[i] * D + x * W) * alpha[i];
             for (int j = 0; j < nj; j++) {  /* a value read once for the block's rows */
@@ -155,15 +156,20 @@ over_(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, const int
     }
 }
 
-/* over_ with the head_dims models have most often as constants. */
+/* over_ with the head_dims models have most often as constants, and blocks of 3 rows
+   where R is a multiple of 3 but not of 4 (a request's 3 query heads per K/V head, as in
+   SmolLM2: no block computes a row it keeps none of). */
 static void over(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, int d,
                  int R, const float *q, float *acc, float *mx, float *l) {
+#define OVER(D, RB) over_(kb, ks, vb, vs, n, D, RB, R, q, acc, mx, l)
+    const int threes = R % 3 == 0 && R % 4 != 0;
     if (d == 64)
-        over_(kb, ks, vb, vs, n, 64, R, q, acc, mx, l);
+        threes ? OVER(64, 3) : OVER(64, 4);
     else if (d == 128)
-        over_(kb, ks, vb, vs, n, 128, R, q, acc, mx, l);
+        threes ? OVER(128, 3) : OVER(128, 4);
     else
-        over_(kb, ks, vb, vs, n, d, R, q, acc, mx, l);
+        threes ? OVER(d, 3) : OVER(d, 4);
+#undef OVER
 }
 
 static void task(const Args *a, int u, int h, float *scratch) {
