@@ -142,18 +142,15 @@ static void task(const Args *a, int t, const Scratch *s) {
     }
 }
 
-#define SCRATCH (sizeof(float) * (2 * MAXD + BK) * MAXROWS)
-
 /* The tasks on OpenMP threads, handed out one at a time (causal tasks differ in size).
    Built with -fopenmp, this library links libgomp.so.1, which is the one torch has
    loaded: the same threads torch's own kernels run on, not a second set competing with
    them for the cores. Each thread keeps its scratch from call to call. */
 static int run(const Args *a, int threads) {
-    static __thread float *scratch;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(|: failed)
     for (int t = 0; t < a->tasks; t++) {
-        if (!scratch) scratch = aligned_alloc(64, SCRATCH);
+        float *scratch = thread_scratch((2 * MAXD + BK) * MAXROWS);
         if (!scratch) { failed = 1; continue; }
         const Scratch s = {scratch, scratch + MAXD * MAXROWS, scratch + 2 * MAXD * MAXROWS};
         task(a, t, &s);

@@ -207,20 +207,13 @@ static void task(const Args *a, int u, int h, float *scratch) {
 /* The tasks on OpenMP threads (torch's, as in attention.c), each thread's scratch kept and
    grown to the largest unit it has met. */
 static int run(const Args *a, int units, int threads) {
-    static __thread float *scratch;
-    static __thread int64_t have;
     const int G = a->heads / a->kv_heads;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(|: failed)
     for (int t = 0; t < units * a->kv_heads; t++) {
         const int u = t / a->kv_heads;
         const int64_t R = (int64_t)(a->start[u + 1] - a->start[u]) * G;
-        const int64_t need = (R * (2 * a->d + 2) + 15) / 16 * 16;
-        if (need > have) {
-            free(scratch);
-            scratch = aligned_alloc(64, sizeof(float) * need);
-            have = scratch ? need : 0;
-        }
+        float *scratch = thread_scratch(R * (2 * a->d + 2));
         if (!scratch) { failed = 1; continue; }
         task(a, u, t % a->kv_heads, scratch);
     }

@@ -1,9 +1,11 @@
 /* What minirt's CPU kernels share: a vector of W floats (16 with AVX-512, 8 with AVX, else
    4), written with GCC/Clang vector extensions, which the compiler lowers to the widest
-   vectors the CPU has (-march=native); unaligned loads and stores; 2^x on a vector. */
+   vectors the CPU has (-march=native); unaligned loads and stores; 2^x on a vector; and
+   each thread's scratch. */
 #ifndef MINIRT_VEC_H
 #define MINIRT_VEC_H
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__AVX512F__)
 #define W 16
@@ -11,6 +13,21 @@
 #define W 8
 #else
 #define W 4
+/* This thread's scratch of at least n floats, 64-byte aligned: kept from call to call
+   (an OpenMP thread of torch's lives as long as the process) and grown when a task needs
+   more; NULL when out of memory. Each source that includes this has its own. */
+static inline float *thread_scratch(int64_t n) {
+    static __thread float *buf;
+    static __thread int64_t have;
+    if (n > have) {
+        free(buf);
+        n = (n + 15) / 16 * 16;
+        buf = aligned_alloc(64, sizeof(float) * n);
+        have = buf ? n : 0;
+    }
+    return buf;
+}
+
 #endif
 
 typedef float vf __attribute__((vector_size(W * 4)));
@@ -39,6 +56,21 @@ static inline vf exp2v(vf x) {
     p = p * f + 1.0f;
     const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
     return (vf)((vi)(p * (vf)e) & ~low);
+}
+
+/* This thread's scratch of at least n floats, 64-byte aligned: kept from call to call
+   (an OpenMP thread of torch's lives as long as the process) and grown when a task needs
+   more; NULL when out of memory. Each source that includes this has its own. */
+static inline float *thread_scratch(int64_t n) {
+    static __thread float *buf;
+    static __thread int64_t have;
+    if (n > have) {
+        free(buf);
+        n = (n + 15) / 16 * 16;
+        buf = aligned_alloc(64, sizeof(float) * n);
+        have = buf ? n : 0;
+    }
+    return buf;
 }
 
 #endif
