@@ -57,6 +57,9 @@ def _cpu_id() -> str:
     return f"{platform.machine()} {flags}"
 
 
+_profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+
+
 def _profiled() -> contextlib.AbstractContextManager:
     """A kernel call as ``PROFILER_NAME`` in torch's profiler while it records (the record
     costs about 6 us a call, a fifth of a small decode attention's)."""
@@ -65,7 +68,15 @@ def _profiled() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-_profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+def _unit_stride(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``xs`` with its last dimension contiguous, as the kernels read it (copied
+    only where it is not)."""
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+
+
+def _cpu_int64(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``xs`` as a contiguous int64 tensor on the CPU (no copy where it is one)."""
+    return [x.to("cpu", torch.int64).contiguous() for x in xs]
 
 
 @cache
@@ -125,7 +136,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     lib = library()
     if lib is None:
         return None
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v = _unit_stride(q, k, v)
     mask_strides = (0, 0)
     if mask is not None:
         mask = mask.expand(b, 1, m, n)
@@ -173,14 +184,11 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: torch.Tensor 
     lib = library()
     if lib is None:
         return None
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    own = (torch.full((b,), n, dtype=torch.int64) if own is None
-           else own.to("cpu", torch.int64).contiguous())
+    q, k, v = _unit_stride(q, k, v)
+    own = torch.full((b,), n, dtype=torch.int64) if own is None else _cpu_int64(own)[0]
     if grouped:
-        prefix_k, prefix_v = (x if x.stride(-1) == 1 else x.contiguous()
-                              for x in (prefix_k, prefix_v))
-        rows, sizes, lengths = (x.to("cpu", torch.int64).contiguous()
-                                for x in (rows, sizes, lengths))
+        prefix_k, prefix_v = _unit_stride(prefix_k, prefix_v)
+        rows, sizes, lengths = _cpu_int64(rows, sizes, lengths)
     else:
         prefix_k = prefix_v = k.new_empty(0, kv_heads, 0, d)
         rows = sizes = lengths = _NONE
