@@ -1013,7 +1013,8 @@ class WorkingKV:
         if bool((own == width - 1).all()):  # rows of one length: one column, all keys
             rows, column, seen = slice(0, n), width - 1, None
         else:
-            rows, column, seen = torch.arange(n, device=device), own.to(device), own + 1
+            rows, column = torch.arange(n, device=device), own.to(device)
+            seen = column + 1  # on the device: cascade_decode masks by it there
         rows_of = [_rows_of(self.held, h) for h in self.bank]
         groups = PrefixGroups.of(rows_of, [len(h) for h in self.bank], self.pk.dtype, device)
         if deterministic:  # each group's rows, and the rows of no group (a prefix of none)
@@ -1120,10 +1121,10 @@ def cascade_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if fast is not None:
         return fast.view(b, 1, heads, d)
     mask = None
-    if own is not None:
-        past = torch.arange(n) >= own.cpu()[:, None]
-        mask = torch.zeros(b, 1, 1, n, dtype=query.dtype).masked_fill_(
-            past[:, None, None], float("-inf")).to(query.device)
+    if own is not None:  # built where the attention runs: no copy to the device per layer
+        past = torch.arange(n, device=query.device) >= own.to(query.device)[:, None]
+        mask = torch.zeros(b, 1, 1, n, dtype=query.dtype, device=query.device).masked_fill_(
+            past[:, None, None], float("-inf"))
     group = heads // kv_heads
     q = query.reshape(b, kv_heads, group, d)  # the query heads of a K/V head: its rows
     out, lse = attention_lse(q, key, value, mask, scale)
