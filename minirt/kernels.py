@@ -80,14 +80,15 @@ def _cpu_int64(*xs: torch.Tensor) -> list[torch.Tensor]:
 
 
 @cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built once per sources, flags and CPU; None where they
-    cannot be built or ``MINIRT_KERNELS=0``."""
+def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
+    """The compiled kernels, built once per sources, ``flags`` and CPU; None where they
+    cannot be built or ``MINIRT_KERNELS=0``. (Other flags than ``FLAGS``: the tests build
+    the narrower vectors other CPUs get, ``-march=x86-64`` for example.)"""
     if os.environ.get("MINIRT_KERNELS", "1") == "0":
         return None
     cc = os.environ.get("CC", "cc")
     sources = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256(b"\0".join([*sources, " ".join((cc, *FLAGS, *LIBS)).encode(),
+    key = hashlib.sha256(b"\0".join([*sources, " ".join((cc, *flags, *LIBS)).encode(),
                                      _cpu_id().encode()])).hexdigest()[:16]
     folder = cache_dir() / "kernels"
     path = folder / f"kernels-{key}.so"
@@ -96,7 +97,7 @@ def library() -> ctypes.CDLL | None:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then moved
                 out = Path(tmp) / path.name
-                subprocess.run([cc, *FLAGS, "-o", str(out), *map(str, SOURCES), *LIBS], check=True,
+                subprocess.run([cc, *flags, "-o", str(out), *map(str, SOURCES), *LIBS], check=True,
                                capture_output=True, timeout=120)
                 os.replace(out, path)
         except (OSError, subprocess.SubprocessError) as e:

@@ -4,6 +4,7 @@ what it leaves to torch, and how it is built, cached and switched off."""
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 
 import pytest
@@ -241,6 +242,37 @@ def test_decode_threads_and_splits_do_not_change_a_bit():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(got[0], x) for x in got[1:])
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and f" {flag}" in line for line in f)
+    except OSError:
+        return False
+
+
+@needs_compiler
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 -march levels")
+@pytest.mark.parametrize("march, needs", [("x86-64", "sse2"), ("x86-64-v3", "avx2")])
+def test_narrower_vectors_build_and_compute_the_same(monkeypatch, march, needs):
+    """Built for the vectors of 4 floats (SSE) or 8 (AVX2) that other CPUs get instead of
+    this one's (``vec.h``'s ``W``), both kernels compile and give float64 attention."""
+    if not _cpu_has(needs):
+        pytest.skip(f"this CPU lacks {needs}")
+    flags = tuple(f"-march={march}" if f.startswith("-march=") else f for f in kernels.FLAGS)
+    lib = kernels.library(flags)
+    assert lib is not None, f"the kernels do not build with -march={march}"
+    monkeypatch.setattr(kernels, "library", lambda: lib)
+    q, k, v, mask = case(7, 2, 2, 4, 37, 0, 64, True, True)
+    got = kernels.attention(q, k, v, mask, 0.125, True)
+    want = reference(q, k, v, mask, 0.125, True)
+    torch.testing.assert_close(got[0].double(), want[0], rtol=0, atol=1e-4)
+    grouped = [[0, 2], [3]]
+    q, k, v, own, pk, pv, lengths = decode_case(8, 5, 3, 3, 48, grouped, 3)
+    got = decode(q, k, v, own, pk, pv, PrefixGroups.of(grouped, lengths), 0.125)
+    want = decode_reference(q, k, v, own, pk, pv, grouped, lengths, 0.125)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
 
 
 @needs_compiler

@@ -13,21 +13,6 @@
 #define W 8
 #else
 #define W 4
-/* This thread's scratch of at least n floats, 64-byte aligned: kept from call to call
-   (an OpenMP thread of torch's lives as long as the process) and grown when a task needs
-   more; NULL when out of memory. Each source that includes this has its own. */
-static inline float *thread_scratch(int64_t n) {
-    static __thread float *buf;
-    static __thread int64_t have;
-    if (n > have) {
-        free(buf);
-        n = (n + 15) / 16 * 16;
-        buf = aligned_alloc(64, sizeof(float) * n);
-        have = buf ? n : 0;
-    }
-    return buf;
-}
-
 #endif
 
 typedef float vf __attribute__((vector_size(W * 4)));
