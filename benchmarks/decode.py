@@ -14,13 +14,14 @@
 2. The profiler's split of one decode step at ``--profile-at`` (batch, context):
    the linear layers (GEMMs), attention, K/V traffic between the pool and attention
    (gathers, writes, appends), every other op, and the time outside any op (Python).
-3. The same step built up one change at a time, the six engines stepped in turn:
+3. The same step built up one change at a time, the eight engines stepped in turn:
    gathering every request's K/V from the pool in every layer with transformers' sdpa
    and seven GEMMs per layer (minirt before), then attention with one query row per
    K/V head, fused q/k/v and gate/up projections, prepacked (oneDNN) weights, the
    working K/V rows run by ``llama_forward`` (no transformers cache, mask or dispatch),
-   the shared prefix held and read once for the batch, and minirt's decode kernel
-   (``minirt/csrc/decode.c``) for attention instead of torch's (minirt now).
+   the shared prefix held and read once for the batch, minirt's decode kernel
+   (``minirt/csrc/decode.c``) for attention instead of torch's, and its kernels for
+   RMSNorm, RoPE and SiLU times up (``minirt/csrc/layer.c``; minirt now).
 4. ``--vllm``: the decode step at serve_bench's shapes (1, 4 and 16 requests behind its 4
    prefixes of 512 tokens, 64 of their own each), through minirt's ``Engine.generate`` and
    then vLLM's offline ``LLM`` (in ``.venv-vllm``, ``benchmarks/vllm_decode.py``), measured
@@ -111,6 +112,21 @@ def no_decode_kernel(off: bool = True):
     return mock.patch("minirt.kernels.decode", lambda *a, **k: None) if off else nullcontext()
 
 
+def no_layer_kernels(off: bool = True):
+    """A context in which RMSNorm, RoPE and SiLU times up run as torch's operations
+    instead of minirt's kernels (``kernels.rms_norm``, ``rope``, ``silu_mul``), where
+    ``off``."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    stack = ExitStack()
+    if off:
+        for name, refusal in (("rms_norm", None), ("rope", False), ("silu_mul", None)):
+            stack.enter_context(mock.patch(f"minirt.kernels.{name}",
+                                           lambda *a, refusal=refusal, **k: refusal))
+    return stack
+
+
 def decode_attention(model, repeats: int) -> None:
     """Decode attention alone at serve_bench's shapes, minirt's kernel against torch's
     path, every layer with K/V of its own (as in a step, each layer's keys come from
@@ -158,14 +174,16 @@ def choices(batch: int, context: int, steps: int) -> None:
     plain, fused, packed = (load_model(dtype=torch.float32)[0] for _ in range(3))
     fuse_projections(fused, prepack=False)
     fuse_projections(packed)
-    variants = {  # name: (model, attention, keep the working K/V, share its prefix, kernel)
-        "gather each layer, transformers' sdpa, 7 GEMMs": (plain, "sdpa", False, False, False),
-        "+ one query row per K/V head": (plain, ATTENTION, False, False, False),
-        "+ q/k/v and gate/up fused (4 GEMMs)": (fused, ATTENTION, False, False, False),
-        "+ prepacked weights": (packed, ATTENTION, False, False, False),
-        "+ working K/V rows, llama_forward": (packed, ATTENTION, True, False, False),
-        "+ shared prefix read once": (packed, ATTENTION, True, True, False),
-        "+ minirt's decode kernel (minirt)": (packed, ATTENTION, True, True, True),
+    variants = {  # name: (model, attention, keep the working K/V, share its prefix,
+        #                  minirt's kernels: 0 none, 1 decode attention, 2 and the layer's)
+        "gather each layer, transformers' sdpa, 7 GEMMs": (plain, "sdpa", False, False, 0),
+        "+ one query row per K/V head": (plain, ATTENTION, False, False, 0),
+        "+ q/k/v and gate/up fused (4 GEMMs)": (fused, ATTENTION, False, False, 0),
+        "+ prepacked weights": (packed, ATTENTION, False, False, 0),
+        "+ working K/V rows, llama_forward": (packed, ATTENTION, True, False, 0),
+        "+ shared prefix read once": (packed, ATTENTION, True, True, 0),
+        "+ minirt's decode kernel": (packed, ATTENTION, True, True, 1),
+        "+ its RMSNorm, RoPE and SiLU kernels (minirt)": (packed, ATTENTION, True, True, 2),
     }
     engines = {}
     for name, (model, attention, keep, share, _) in variants.items():
@@ -184,7 +202,7 @@ def choices(batch: int, context: int, steps: int) -> None:
             # Without the working rows a decode step is transformers' forward over the
             # pool (chapter 04's PoolCache), as it was before llama_forward.
             with (mock.patch("minirt.forward.is_llama", lambda m, keep=keep: keep),
-                  no_decode_kernel(not kernel)):
+                  no_decode_kernel(kernel < 1), no_layer_kernels(kernel < 2)):
                 times[name] += step_times(engines[name], 1)
     plain.set_attn_implementation(ATTENTION)
     outputs = {tuple(tuple(j.output_ids) for j in e.running) for e in engines.values()}

@@ -70,18 +70,23 @@ def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
     inner = model.model
     h = inner.embed_tokens(input_ids)
     cos, sin = _rope_tables(*inner.rotary_emb(h, position_ids))
+    delta = None  # each block's output, added to h by the norm that follows it
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = (t.view(*h.shape[:-1], -1, attn.head_dim)
                    for t in run(partial(_projections, attn, _QKV),
-                                _rms_norm(layer.input_layernorm, h)))
-        q, k = _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2)
-        h += run(attn.o_proj, attend(i, q, k, v.transpose(1, 2), attn.scaling))
+                                _rms_norm(layer.input_layernorm, h, delta)))
+        q, k = _rope_qk(q, k, cos, sin)
+        delta = run(attn.o_proj, attend(i, q.transpose(1, 2), k.transpose(1, 2),
+                                        v.transpose(1, 2), attn.scaling))
         gate, up = run(partial(_projections, mlp, _GATE_UP),
-                       _rms_norm(layer.post_attention_layernorm, h))
-        h += run(mlp.down_proj, mlp.act_fn(gate).mul_(up))
-    h = h[:, -1] if last is None else h.view(-1, h.shape[-1]).index_select(0, last)
-    return run(model.lm_head, _rms_norm(inner.norm, h))
+                       _rms_norm(layer.post_attention_layernorm, h, delta))
+        delta = run(mlp.down_proj, _silu_mul(mlp, gate, up))
+    if last is None:
+        h, delta = h[:, -1], delta[:, -1]
+    else:
+        h, delta = (x.view(-1, x.shape[-1]).index_select(0, last) for x in (h, delta))
+    return run(model.lm_head, _rms_norm(inner.norm, h, delta))
 
 
 @dataclass
@@ -154,8 +159,16 @@ def _rows(fn, x: torch.Tensor):
     return cut(out) if isinstance(out, torch.Tensor) else [cut(y) for y in out]
 
 
-def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm`` as one torch call (in fp32: the same values, bit for bit)."""
+def _rms_norm(norm, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm`` of ``x``, after the residual add ``x += delta`` where
+    ``delta`` is given. In fp32 on a CPU, one call of minirt's kernel (``kernels.rms_norm``,
+    to within rounding: its sum of squares adds in its own order); otherwise torch's."""
+    if x.dtype == torch.float32:
+        out = kernels.rms_norm(x, norm.weight, norm.variance_epsilon, delta)
+        if out is not None:
+            return out
+    if delta is not None:
+        x += delta
     if x.dtype != torch.float32:
         return norm(x)
     return torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
@@ -171,6 +184,26 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, to
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``apply_rotary_pos_emb`` on ``x`` ``[b, t, heads, head_dim]`` in four operations."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_rope`` on ``q`` and ``k``: in place by one call of minirt's kernel where it can
+    (``kernels.rope``, the same bits), by torch's operations otherwise."""
+    if kernels.rope(q, k, cos, sin):
+        return q, k
+    return _rope(q, cos, sin), _rope(k, cos, sin)
+
+
+def _silu_mul(mlp, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation of ``gate`` times ``up``: for SiLU in fp32 on a CPU one call of
+    minirt's kernel (``kernels.silu_mul``, to within rounding), otherwise torch's."""
+    if mlp.config.hidden_act == "silu":
+        out = kernels.silu_mul(gate, up)
+        if out is not None:
+            return out
+    return mlp.act_fn(gate).mul_(up)
+
 
 
 

@@ -1,4 +1,5 @@
-"""minirt's own CPU attention kernels (``csrc/``), compiled on first use.
+"""minirt's own CPU kernels (``csrc/``): attention and a layer's small operations,
+compiled on first use.
 
 Torch's CPU flash-attention kernel runs a 576-token prefill's attention at about 66
 GFLOP/s on an AVX-512 machine, 2.4x the time of vLLM's C++ kernel for the same work
@@ -6,13 +7,16 @@ GFLOP/s on an AVX-512 machine, 2.4x the time of vLLM's C++ kernel for the same w
 many keys, at a quarter of the memory bandwidth. ``attention`` (``csrc/attention.c``) is
 prefill's computation written for the shapes minirt sends: the query heads of a K/V head
 as the rows of one tile, keys read once for them. ``decode`` (``csrc/decode.c``) is a
-decode step's: each row over its group's prefix, then its own keys, in one pass. They are
-built with the C compiler (``$CC``, else ``cc``) at ``-O3 -march=native -fopenmp`` into
-``cache_dir()/kernels``, named by a hash of the sources, the flags and the CPU, and loaded
-with ctypes; their OpenMP calls go to the ``libgomp.so.1`` torch has already loaded, so
-they run on torch's threads. Where there is no compiler, the build or the load fails
+decode step's: each row over its group's prefix, then its own keys, in one pass.
+``rms_norm``, ``rope`` and ``silu_mul`` (``csrc/layer.c``) are a layer's small elementwise
+operations, each one pass where torch runs several operators. They are built with the C
+compiler (``$CC``, else ``cc``) at ``-O3 -march=native -fopenmp`` into
+``cache_dir()/kernels``, named by a hash of the sources, the flags and the CPU, and
+loaded with ctypes; their OpenMP calls go to the ``libgomp.so.1`` torch has already
+loaded, so they run on torch's threads. Where there is no compiler, the build or the load fails
 (logged at INFO), ``MINIRT_KERNELS=0`` is set, or the tensors are not fp32 on the CPU,
-they return None and the caller uses torch's kernels: the same values to within rounding.
+they return None (``rope``: False) and the caller uses torch's operations: the same values
+to within rounding.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 from minirt.model import cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "attention.c", CSRC / "decode.c")
+SOURCES = (CSRC / "attention.c", CSRC / "decode.c", CSRC / "layer.c")
 HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
@@ -115,6 +119,11 @@ def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
                                                 ctypes.c_int]
     lib.minirt_decode.restype = ctypes.c_int
     lib.minirt_decode.argtypes = [_P] * 12 + [ctypes.c_float, ctypes.c_int]
+    i64, f32, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.minirt_rms_norm.restype = lib.minirt_rope.restype = lib.minirt_silu_mul.restype = None
+    lib.minirt_rms_norm.argtypes = [_P] * 4 + [i64] * 5 + [f32, i32]
+    lib.minirt_rope.argtypes = [_P] + [i64] * 5 + [_P, _P, i64, i32]
+    lib.minirt_silu_mul.argtypes = [_P] * 3 + [i64] * 5 + [i32]
     return lib
 
 
@@ -205,3 +214,77 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: torch.Tensor 
                                rows.data_ptr(), sizes.data_ptr(), lengths.data_ptr(), strides,
                                shape, scale, torch.get_num_threads())
     return out if rc == 0 else None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as ``[rows, features]``, fp32 on the CPU with the features contiguous, as the
+    layer kernels read it: a view, no copy (None where there is none)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1:
+        return None
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:  # leading dimensions that do not collapse into one
+        return None
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> torch.Tensor | None:
+    """transformers' ``LlamaRMSNorm`` of ``h`` ``[..., dim]`` by minirt's kernel, after
+    ``h += delta`` where ``delta`` is given (in place: the residual add before the norm);
+    None, ``h`` untouched, for what it leaves to torch (not fp32 on the CPU, shapes that
+    differ, no kernel)."""
+    x, w = _rows(h), _rows(weight)
+    e = None if delta is None else _rows(delta)
+    lib = library() if x is not None and w is not None else None
+    if (lib is None or w.numel() != x.shape[1] or w.shape[0] != 1
+            or (delta is not None and (e is None or e.shape != x.shape))):
+        return None
+    out = torch.empty(h.shape, dtype=h.dtype)
+    lib.minirt_rms_norm(x.data_ptr(), 0 if e is None else e.data_ptr(), w.data_ptr(),
+                        out.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                        0 if e is None else e.stride(0), x.shape[1], eps,
+                        torch.get_num_threads())
+    return out
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """RoPE in place on ``q`` ``[..., heads, d]`` and ``k`` ``[..., kv_heads, d]`` by
+    minirt's kernel, with the tables ``[..., 1, d]`` of ``forward._rope_tables`` (one row
+    per position): the bits of ``forward._rope``. One call where ``k``'s heads follow
+    ``q``'s in memory (the fused q/k/v GEMM's output), two otherwise. False, nothing
+    changed, for what it leaves to torch."""
+    c, s, d = _rows(cos), _rows(sin), q.shape[-1]
+    if (c is None or s is None or d % 2 or k.shape[-1] != d or c.shape != s.shape
+            or c.shape[1] != d or c.stride(0) != s.stride(0)
+            or any(x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1
+                   for x in (q, k))):
+        return False
+    try:
+        qv, kv = (x.view(-1, x.shape[-2], d) for x in (q, k))
+    except RuntimeError:  # leading dimensions that do not collapse into one
+        return False
+    lib = library()
+    if lib is None or not qv.shape[0] == kv.shape[0] == c.shape[0]:
+        return False
+    views = [qv, kv]
+    if (qv.stride() == kv.stride() and qv.stride(1) == d
+            and kv.data_ptr() == qv.data_ptr() + qv.shape[1] * d * qv.element_size()):
+        views = [qv.as_strided((qv.shape[0], qv.shape[1] + kv.shape[1], d), qv.stride())]
+    for v in views:
+        lib.minirt_rope(v.data_ptr(), v.shape[0], v.shape[1], d, v.stride(0), v.stride(1),
+                        c.data_ptr(), s.data_ptr(), c.stride(0), torch.get_num_threads())
+    return True
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` by minirt's kernel (``gate``, ``up`` ``[..., dim]``, views of
+    the fused gate/up GEMM's output), to within fp32 rounding of torch's; None for what it
+    leaves to torch."""
+    g, u = _rows(gate), _rows(up)
+    lib = library() if g is not None and u is not None else None
+    if lib is None or g.shape != u.shape:
+        return None
+    out = gate.new_empty(gate.shape)
+    lib.minirt_silu_mul(g.data_ptr(), u.data_ptr(), out.data_ptr(), g.shape[0], g.shape[1],
+                        g.stride(0), u.stride(0), g.shape[1], torch.get_num_threads())
+    return out

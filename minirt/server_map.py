@@ -194,6 +194,28 @@ MAP: list[MapRow] = [
          "--attention-backend (both)",
          "both read a shared prefix once per request and can split a request's keys into "
          "parts; minirt reads it once per group, splitting a group's rows across threads"),
+        ("kernels.rms_norm",
+         "sglang 0.5.23 `srt/layers/layernorm.py: RMSNorm.forward_cpu` (sgl_kernel's "
+         "fused_add_rmsnorm_cpu, the residual add and the norm in one, where the CPU has AMX; "
+         "torch's operations otherwise)",
+         "vllm 0.32.0 `model_executor/layers/layernorm.py: RMSNorm.forward_native` (torch's "
+         "operations on a CPU: vllm 0.32.0 `platforms/interface.py: "
+         "Platform.get_default_ir_op_priority` picks the native implementation, and vllm "
+         "0.32.0 `kernels/vllm_c.py: rms_norm` is for GPUs)",
+         "-", "bf16 (SGLang); minirt's kernels are fp32 only"),
+        ("kernels.rope",
+         "sglang 0.5.23 `srt/layers/rotary_embedding/base.py: RotaryEmbedding.forward_cpu` "
+         "(sgl_kernel's rotary_embedding_cpu where the CPU has AMX)",
+         "vllm 0.32.0 `model_executor/layers/rotary_embedding/base.py: "
+         "RotaryEmbedding.forward_cpu` (vLLM's C++ rotary_embedding, in place)",
+         "-", "a cos/sin cache indexed by position; minirt computes transformers' tables "
+         "each pass"),
+        ("kernels.silu_mul",
+         "sglang 0.5.23 `srt/layers/activation.py: SiluAndMul.forward_cpu` (sgl_kernel's "
+         "silu_and_mul_cpu where the CPU has AMX)",
+         "vllm 0.32.0 `model_executor/layers/activation.py: SiluAndMul.forward_cpu` (torch's "
+         "operations on x86; vLLM's C++ kernel on POWER only)",
+         "-", "-"),
     ),
     *_rows(
         7,

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minirt.forward as forward
+from minirt import kernels
 from minirt.errors import ModelError, PoolError
 from minirt.forward import (
     PrefixGroups,
@@ -152,27 +153,49 @@ def test_llama_forward_gives_the_models_logits(which, fused):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_llama_forward_norm_and_rope_are_transformers_own_bit_for_bit():
-    """``_rms_norm`` (one torch call) and ``_rope`` (a roll instead of ``rotate_half``) give
-    transformers' ``LlamaRMSNorm`` and ``apply_rotary_pos_emb`` exactly, in fp32."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["minirt's kernels", "torch's"])
+def test_llama_forward_norm_rope_and_silu_are_transformers_own(monkeypatch, kernel):
+    """RMSNorm after the residual add, RoPE on q and k, and SiLU(gate) * up, on minirt's
+    kernels (``kernels.rms_norm``, ``rope``, ``silu_mul``) and on torch's operations:
+    RoPE is transformers' ``apply_rotary_pos_emb`` bit for bit on both, whether q and k
+    lie side by side (the fused GEMM's output: one call) or apart; the norm is
+    ``LlamaRMSNorm`` bit for bit on torch's path and within fp32 rounding on the kernel,
+    as is SiLU; the residual is added into ``h`` in place."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from minirt.forward import _rms_norm, _rope, _rope_tables
+    from minirt.forward import _rms_norm, _rope_qk, _rope_tables, _silu_mul
 
+    if not kernel:
+        monkeypatch.setattr(kernels, "library", lambda *a: None)
+    elif kernels.library() is None:
+        pytest.skip("no C compiler: torch's path only")
     model = tiny_model(5)
     gen = torch.Generator().manual_seed(3)
-    h = torch.randn(2, 7, model.config.hidden_size, generator=gen)
-    norm = model.model.layers[0].input_layernorm
+    h, delta = (torch.randn(2, 7, model.config.hidden_size, generator=gen) for _ in range(2))
+    layer = model.model.layers[0]
     with torch.no_grad():
-        norm.weight.normal_(generator=gen)
-        assert torch.equal(_rms_norm(norm, h), norm(h))
-        q = torch.randn(2, 7, 4, 16, generator=gen)  # [b, t, heads, head_dim]
-        k = torch.randn(2, 7, 2, 16, generator=gen)
+        layer.input_layernorm.weight.normal_(generator=gen)
+        before = h.clone()
+        want = layer.input_layernorm(h + delta)
+        got = _rms_norm(layer.input_layernorm, h, delta)
+        assert torch.equal(got, want) or kernel
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(h, before + delta)  # the residual, added in place
         cos, sin = model.model.rotary_emb(h, torch.arange(3, 10).expand(2, 7))
-        want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         tables = _rope_tables(cos, sin)
-        assert torch.equal(_rope(q, *tables).transpose(1, 2), want_q)
-        assert torch.equal(_rope(k, *tables).transpose(1, 2), want_k)
+        fused = torch.randn(2, 7, (4 + 2 + 2) * 16, generator=gen)  # q, k, v heads of 16
+        apart = [torch.randn(2, 7, n, 16, generator=gen) for n in (4, 2)]
+        for q, k in ([fused[..., :64].view(2, 7, 4, 16), fused[..., 64:96].view(2, 7, 2, 16)],
+                     apart):
+            want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            got_q, got_k = _rope_qk(q, k, *tables)
+            assert torch.equal(got_q.transpose(1, 2), want_q)
+            assert torch.equal(got_k.transpose(1, 2), want_k)
+        gate, up = (torch.randn(2, 7, 2 * model.config.intermediate_size, generator=gen) * 4
+                    ).chunk(2, -1)
+        want = torch.nn.functional.silu(gate) * up
+        torch.testing.assert_close(_silu_mul(layer.mlp, gate.clone(), up), want,
+                                   rtol=1e-6, atol=1e-6)
 
 
 def test_is_llama_only_for_llama_layers():

@@ -257,7 +257,8 @@ def _cpu_has(flag: str) -> bool:
 @pytest.mark.parametrize("march, needs", [("x86-64", "sse2"), ("x86-64-v3", "avx2")])
 def test_narrower_vectors_build_and_compute_the_same(monkeypatch, march, needs):
     """Built for the vectors of 4 floats (SSE) or 8 (AVX2) that other CPUs get instead of
-    this one's (``vec.h``'s ``W``), both kernels compile and give float64 attention."""
+    this one's (``vec.h``'s ``W``), the kernels compile and give float64 attention, and
+    the layer kernels their torch operations."""
     if not _cpu_has(needs):
         pytest.skip(f"this CPU lacks {needs}")
     flags = tuple(f"-march={march}" if f.startswith("-march=") else f for f in kernels.FLAGS)
@@ -273,6 +274,7 @@ def test_narrower_vectors_build_and_compute_the_same(monkeypatch, march, needs):
     got = decode(q, k, v, own, pk, pv, PrefixGroups.of(grouped, lengths), 0.125)
     want = decode_reference(q, k, v, own, pk, pv, grouped, lengths, 0.125)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
+    check_layer_kernels(9, 5, 44, True)
 
 
 @needs_compiler
@@ -298,3 +300,61 @@ def test_what_the_decode_kernel_refuses():
                (q, k, v, own, pk[:1], pv[:1], good)]
     for args in refused:
         assert decode(*args, 0.125) is None
+
+
+@needs_compiler
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.sampled_from([1, 3, 17, 130]),
+       dim=st.sampled_from([1, 7, 16, 40, 576, 1000]), residual=st.booleans())
+def test_the_layer_kernels_are_torchs_operations(seed, rows, dim, residual):
+    """``rms_norm`` (after the residual add, in place), ``rope`` and ``silu_mul`` equal
+    their torch operations, RoPE bit for bit, the others to fp32 rounding, whatever the
+    rows (130 rows of 1,000 run on two threads), the width (tails past whole vectors) and
+    the row strides; and a row's bits do not depend on the rows beside it."""
+    check_layer_kernels(seed, rows, dim, residual)
+
+
+def check_layer_kernels(seed: int, rows: int, dim: int, residual: bool) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, dim + 3, generator=gen)[:, :dim] * 3  # rows strided
+    delta = torch.randn(rows, dim, generator=gen) if residual else None
+    w = torch.randn(dim, generator=gen)
+    want = torch.nn.functional.rms_norm(h + (0 if delta is None else delta), (dim,), w, 1e-5)
+    before = h.clone()
+    got = kernels.rms_norm(h, w, 1e-5, delta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(h, before + (0 if delta is None else delta))
+    alone = kernels.rms_norm(h[-1:].clone(), w, 1e-5)
+    assert torch.equal(alone, kernels.rms_norm(h.clone(), w, 1e-5)[-1:])
+
+    gate, up = (torch.randn(rows, 2 * dim, generator=gen) * 6).chunk(2, -1)
+    torch.testing.assert_close(kernels.silu_mul(gate, up),
+                               torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+    d = 2 * dim
+    q, k = torch.randn(rows, 5, d, generator=gen), torch.randn(rows, 2, d, generator=gen)
+    cos, sin = (torch.randn(rows, 1, d, generator=gen) for _ in range(2))
+    want_q, want_k = (x * cos + x.roll(dim, -1) * sin for x in (q, k))
+    assert kernels.rope(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+@needs_compiler
+def test_what_the_layer_kernels_leave_to_torch():
+    """Not fp32, rows that do not collapse into one dimension, shapes that do not fit:
+    None or False, and the tensors untouched."""
+    h, w = torch.randn(4, 8), torch.randn(8)
+    assert kernels.rms_norm(h.double(), w.double(), 1e-5) is None
+    assert kernels.rms_norm(h, torch.randn(7), 1e-5) is None
+    before = h.clone()
+    assert kernels.rms_norm(h, w, 1e-5, torch.randn(3, 8)) is None
+    assert kernels.rms_norm(h.t(), torch.randn(4), 1e-5) is None  # features not contiguous
+    assert torch.equal(h, before)
+    assert kernels.silu_mul(h, torch.randn(4, 7)) is None
+    assert kernels.silu_mul(h.bfloat16(), h.bfloat16()) is None
+    q, k, cos = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+    q0 = q.clone()
+    assert not kernels.rope(q, k, cos, torch.randn(2, 1, 8))  # tables for other positions
+    assert not kernels.rope(q[:, :, :7], k[:, :, :7], cos[..., :7], cos[..., :7])  # odd d
+    assert not kernels.rope(q.transpose(0, 1), k.transpose(0, 1), cos, cos)
+    assert torch.equal(q, q0)
