@@ -80,11 +80,13 @@ typedef struct {
     float scale;
 } Args;
 
-/* The W scores in one vector: lane j the sum of the lanes of part[j]. Each round adds the
-   neighbouring lanes of two vectors into one, halving the lanes per key, the keys' order
-   kept. part is overwritten. */
-static inline vf fold(vf *part) {
-    for (int n = W; n > 1; n /= 2)
+/* n vectors of partial sums (n a power of 2, at most W) folded into one: each round adds
+   the neighbouring lanes of two vectors into one, halving the lanes per key, the keys'
+   order kept. Folding the W keys' vectors in fours, then the fours, gives the vector of
+   W scores, lane j the sum of key j's lanes, in the same order of additions as folding
+   all W at once, with fewer vectors held. part is overwritten. */
+static inline vf fold(vf *part, int n) {
+    for (; n > 1; n /= 2)
         for (int i = 0; i < n / 2; i++)
             part[i] = SHUF(part[2 * i], part[2 * i + 1], EVEN) +
                       SHUF(part[2 * i], part[2 * i + 1], ODD);
@@ -113,22 +115,26 @@ over_(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, const int
             const int nr = R - r0 < RB ? R - r0 : RB;
             int row[RBMAX];
             for (int i = 0; i < RB; i++) row[i] = r0 + (i < nr ? i : nr - 1);
-            vf qv[RBMAX][DV], part[RBMAX][W];
+            vf qv[RBMAX][DV], fours[RBMAX][W / 4];
             for (int i = 0; i < RB; i++)
                 for (int x = 0; x < DV; x++) qv[i][x] = ld(q + row[i] * D + x * W);
-            for (int j = 0; j < W; j++) {  /* a key read once for the block's rows */
-                vf kx[DV];
-                for (int x = 0; x < DV; x++) kx[x] = ld(kr[j] + x * W);
-                for (int i = 0; i < RB; i++) {
-                    vf s = qv[i][0] * kx[0];
-                    for (int x = 1; x < DV; x++) s += qv[i][x] * kx[x];
-                    part[i][j] = s;
+            for (int j4 = 0; j4 < W; j4 += 4) {
+                vf part[RBMAX][4];
+                for (int j = 0; j < 4; j++) {  /* a key read once for the block's rows */
+                    vf kx[DV];
+                    for (int x = 0; x < DV; x++) kx[x] = ld(kr[j4 + j] + x * W);
+                    for (int i = 0; i < RB; i++) {
+                        vf s = qv[i][0] * kx[0];
+                        for (int x = 1; x < DV; x++) s += qv[i][x] * kx[x];
+                        part[i][j] = s;
+                    }
                 }
+                for (int i = 0; i < RB; i++) fours[i][j4 / 4] = fold(part[i], 4);
             }
             float p[RBMAX][W];
             vf alpha[RBMAX];
             for (int i = 0; i < RB; i++) {  /* online softmax, row by row */
-                const vf s = pick(real, fold(part[i]), splat(-INFINITY));
+                const vf s = pick(real, fold(fours[i], W / 4), splat(-INFINITY));
                 const vf top = all_max(vmax(s, splat(mx[row[i]])));
                 alpha[i] = splat(exp2f(mx[row[i]] - top[0]));  /* first tile: mx is -inf, 0 */
                 const vf e = exp2v(s - top);
