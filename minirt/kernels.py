@@ -39,7 +39,8 @@ from minirt.model import cache_dir
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "attention.c", CSRC / "decode.c", CSRC / "layer.c")
 HEADERS = (CSRC / "vec.h",)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# -Werror=vla: an array sized by a variable stays on the stack, its vectors out of registers
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Werror=vla")
 LIBS = ("-lm",)
 log = logging.getLogger(__name__)
 PROFILER_NAME = "minirt::attention"  # how the kernels' calls show in torch's profiler

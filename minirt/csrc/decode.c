@@ -18,6 +18,8 @@
 #include "vec.h"
 
 #define MAXD 256 /* head_dim at most */
+#define MAXDV (MAXD / W) /* vectors a row of head_dim takes at most: arrays of fixed size, held
+                            in registers where D is a constant */
 
 #define RBMAX 4  /* query rows a block takes at most: their keys and values are read once */
 
@@ -115,13 +117,13 @@ over_(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, const int
             const int nr = R - r0 < RB ? R - r0 : RB;
             int row[RBMAX];
             for (int i = 0; i < RB; i++) row[i] = r0 + (i < nr ? i : nr - 1);
-            vf qv[RBMAX][DV], fours[RBMAX][W / 4];
+            vf qv[RBMAX][MAXDV], fours[RBMAX][W / 4];
             for (int i = 0; i < RB; i++)
                 for (int x = 0; x < DV; x++) qv[i][x] = ld(q + row[i] * D + x * W);
             for (int j4 = 0; j4 < W; j4 += 4) {
                 vf part[RBMAX][4];
                 for (int j = 0; j < 4; j++) {  /* a key read once for the block's rows */
-                    vf kx[DV];
+                    vf kx[MAXDV];
                     for (int x = 0; x < DV; x++) kx[x] = ld(kr[j4 + j] + x * W);
                     for (int i = 0; i < RB; i++) {
                         vf s = qv[i][0] * kx[0];
@@ -144,12 +146,12 @@ over_(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, const int
                     mx[row[i]] = top[0];
                 }
             }
-            vf o[RBMAX][DV];
+            vf o[RBMAX][MAXDV];
             for (int i = 0; i < RB; i++)
                 for (int x = 0; x < DV; x++) o[i][x] = ld(acc + row[i] * D + x * W) * alpha[i];
             for (int j = 0; j < nj; j++) {  /* a value read once for the block's rows */
                 const float *vr = vb + (j0 + j) * vs;
-                vf vx[DV];
+                vf vx[MAXDV];
                 for (int x = 0; x < DV; x++) vx[x] = ld(vr + x * W);
                 for (int i = 0; i < RB; i++) {
                     const vf pj = splat(p[i][j]);
