@@ -138,7 +138,7 @@ over_(const float *kb, int64_t ks, const float *vb, int64_t vs, int n, const int
             for (int i = 0; i < RB; i++) {  /* online softmax, row by row */
                 const vf s = pick(real, fold(fours[i], W / 4), splat(-INFINITY));
                 const vf top = all_max(vmax(s, splat(mx[row[i]])));
-                alpha[i] = splat(exp2f(mx[row[i]] - top[0]));  /* first tile: mx is -inf, 0 */
+                alpha[i] = exp2v(splat(mx[row[i]]) - top);  /* first tile: mx is -inf, 0 */
                 const vf e = exp2v(s - top);
                 st(p[i], e);
                 if (i < nr) {
