@@ -57,14 +57,15 @@ def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
     head_dim]`` and ``k``, ``v`` ``[b, kv_heads, t, head_dim]`` after RoPE, stores the K/V
     where it keeps them, and returns the attention output ``[b, t, heads * head_dim]``.
     No cache object, no mask built for the caller: the caller knows its batch's shape.
-    Each layer is a handful of tensor operations (``_rms_norm``, ``_rope``, residuals added
-    in place), and the output head runs on the positions asked for only.
+    Each layer is a handful of calls (``_rms_norm`` adding the residual, ``_rope_qk``,
+    ``_silu_mul``), and the output head runs on the positions asked for only.
 
     ``deterministic``: every matrix product gets at least ``MIN_ROWS`` rows (``_rows``), so
     a row's result does not depend on how many rows the step has (the caller's ``attend``
     must be row-invariant too: ``aligned_attention``).
     """
-    def run(fn, x):
+    def run(module, names, x):
+        fn = partial(_project, module, names)
         return _rows(fn, x) if deterministic else fn(x)
 
     inner = model.model
@@ -74,19 +75,17 @@ def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = (t.view(*h.shape[:-1], -1, attn.head_dim)
-                   for t in run(partial(_projections, attn, _QKV),
-                                _rms_norm(layer.input_layernorm, h, delta)))
+                   for t in run(attn, _QKV, _rms_norm(layer.input_layernorm, h, delta)))
         q, k = _rope_qk(q, k, cos, sin)
-        delta = run(attn.o_proj, attend(i, q.transpose(1, 2), k.transpose(1, 2),
-                                        v.transpose(1, 2), attn.scaling))
-        gate, up = run(partial(_projections, mlp, _GATE_UP),
-                       _rms_norm(layer.post_attention_layernorm, h, delta))
-        delta = run(mlp.down_proj, _silu_mul(mlp, gate, up))
+        delta = run(attn.o_proj, None, attend(i, q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2), attn.scaling))
+        gate, up = run(mlp, _GATE_UP, _rms_norm(layer.post_attention_layernorm, h, delta))
+        delta = run(mlp.down_proj, None, _silu_mul(mlp, gate, up))
     if last is None:
         h, delta = h[:, -1], delta[:, -1]
     else:
         h, delta = (x.view(-1, x.shape[-1]).index_select(0, last) for x in (h, delta))
-    return run(model.lm_head, _rms_norm(inner.norm, h, delta))
+    return run(model.lm_head, None, _rms_norm(inner.norm, h, delta))
 
 
 @dataclass
@@ -159,6 +158,23 @@ def _rows(fn, x: torch.Tensor):
     return cut(out) if isinstance(out, torch.Tensor) else [cut(y) for y in out]
 
 
+def _project(module, names: tuple[str, ...] | None, x: torch.Tensor):
+    """``module(x)`` for an ``nn.Linear`` (``names`` None), else ``module``'s projections
+    ``names`` (``_projections``: one GEMM where fused). A single row in fp32 on a CPU goes
+    to minirt's matrix-vector kernel on the layer's own weight (``kernels.gemv``, to within
+    rounding), which streams the weights faster than oneDNN's product."""
+    if x.numel() == x.shape[-1]:
+        if names is None:
+            y = kernels.gemv(x, module.weight, module.bias)
+            if y is not None:
+                return y
+        elif getattr(module, "_minirt_fused", False):
+            y = kernels.gemv(x, module.fused_weight, module.fused_bias)
+            if y is not None:
+                return y.split(module.fused_sizes, -1)
+    return module(x) if names is None else _projections(module, names, x)
+
+
 def _rms_norm(norm, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm`` of ``x``, after the residual add ``x += delta`` where
     ``delta`` is given. In fp32 on a CPU, one call of minirt's kernel (``kernels.rms_norm``,
@@ -198,12 +214,11 @@ def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def _silu_mul(mlp, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The MLP's activation of ``gate`` times ``up``: for SiLU in fp32 on a CPU one call of
     minirt's kernel (``kernels.silu_mul``, to within rounding), otherwise torch's."""
-    if mlp.config.hidden_act == "silu":
+    if getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu":
         out = kernels.silu_mul(gate, up)
         if out is not None:
             return out
     return mlp.act_fn(gate).mul_(up)
-
 
 
 

@@ -9,14 +9,15 @@ prefill's computation written for the shapes minirt sends: the query heads of a 
 as the rows of one tile, keys read once for them. ``decode`` (``csrc/decode.c``) is a
 decode step's: each row over its group's prefix, then its own keys, in one pass.
 ``rms_norm``, ``rope`` and ``silu_mul`` (``csrc/layer.c``) are a layer's small elementwise
-operations, each one pass where torch runs several operators. They are built with the C
-compiler (``$CC``, else ``cc``) at ``-O3 -march=native -fopenmp`` into
-``cache_dir()/kernels``, named by a hash of the sources, the flags and the CPU, and
-loaded with ctypes; their OpenMP calls go to the ``libgomp.so.1`` torch has already
-loaded, so they run on torch's threads. Where there is no compiler, the build or the load fails
-(logged at INFO), ``MINIRT_KERNELS=0`` is set, or the tensors are not fp32 on the CPU,
-they return None (``rope``: False) and the caller uses torch's operations: the same values
-to within rounding.
+operations, each one pass where torch runs several operators, and ``gemv``
+(``csrc/gemv.c``) a linear layer on one row, which streams the weights faster than
+oneDNN's product. They are built with the C compiler (``$CC``, else ``cc``) at ``-O3
+-march=native -fopenmp`` into ``cache_dir()/kernels``, named by a hash of the sources,
+the flags and the CPU, and loaded with ctypes; their OpenMP calls go to the
+``libgomp.so.1`` torch has already loaded, so they run on torch's threads. Where there
+is no compiler, the build or the load fails (logged at INFO), ``MINIRT_KERNELS=0`` is
+set, or the tensors are not fp32 on the CPU, they return None (``rope``: False) and the
+caller uses torch's operations: the same values to within rounding.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 from minirt.model import cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "attention.c", CSRC / "decode.c", CSRC / "layer.c")
+SOURCES = (CSRC / "attention.c", CSRC / "decode.c", CSRC / "layer.c", CSRC / "gemv.c")
 HEADERS = (CSRC / "vec.h",)
 # -Werror=vla: an array sized by a variable stays on the stack, its vectors out of registers
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Werror=vla")
@@ -125,6 +126,8 @@ def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     lib.minirt_rms_norm.argtypes = [_P] * 4 + [i64] * 5 + [f32, i32]
     lib.minirt_rope.argtypes = [_P] + [i64] * 5 + [_P, _P, i64, i32]
     lib.minirt_silu_mul.argtypes = [_P] * 3 + [i64] * 5 + [i32]
+    lib.minirt_gemv.restype = ctypes.c_int
+    lib.minirt_gemv.argtypes = [_P] * 4 + [i64] * 3 + [i32]
     return lib
 
 
@@ -289,3 +292,23 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     lib.minirt_silu_mul(g.data_ptr(), u.data_ptr(), out.data_ptr(), g.shape[0], g.shape[1],
                         g.stride(0), u.stride(0), g.shape[1], torch.get_num_threads())
     return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor,
+         bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` for one row (``x`` ``[..., K]`` holding one row, the
+    layer's own ``weight`` ``[N, K]``) by minirt's kernel, to within fp32 rounding; None
+    for what it leaves to torch: more than one row, not fp32 on the CPU, K not a multiple
+    of the vector width, shapes that do not fit, no kernel."""
+    if x.numel() != x.shape[-1] or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        return None
+    v, w = _rows(x), _rows(weight)
+    b = None if bias is None else _rows(bias)
+    lib = library() if v is not None and w is not None else None
+    if lib is None or (bias is not None and (b is None or b.numel() != w.shape[0])):
+        return None
+    y = torch.empty(*x.shape[:-1], w.shape[0])
+    rc = lib.minirt_gemv(v.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(),
+                         y.data_ptr(), w.shape[0], w.shape[1], w.stride(0),
+                         torch.get_num_threads())
+    return y if rc == 0 else None

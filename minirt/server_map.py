@@ -210,6 +210,14 @@ MAP: list[MapRow] = [
          "RotaryEmbedding.forward_cpu` (vLLM's C++ rotary_embedding, in place)",
          "-", "a cos/sin cache indexed by position; minirt computes transformers' tables "
          "each pass"),
+        ("kernels.gemv",
+         "sglang 0.5.23 `srt/layers/quantization/unquant.py: UnquantizedLinearMethod.apply` "
+         "(sgl_kernel's weight_packed_linear on weights packed at load, where the CPU has "
+         "AMX; torch's F.linear otherwise), every row count alike",
+         "vllm 0.32.0 `model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm` "
+         "(in fp32, oneDNN's matmul on a handle made once per weight, every row count alike)",
+         "-", "minirt runs one row on the plain weight with its own kernel and more rows "
+         "on oneDNN's prepacked copy"),
         ("kernels.silu_mul",
          "sglang 0.5.23 `srt/layers/activation.py: SiluAndMul.forward_cpu` (sgl_kernel's "
          "silu_and_mul_cpu where the CPU has AMX)",

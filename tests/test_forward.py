@@ -382,3 +382,32 @@ def test_a_mixed_step_refuses_what_it_cannot_run():
             forward_mixed(model, pool, tables, [torch.tensor(x) for x in ids], WorkingKV(pool),
                           decode, [torch.tensor(x) for x in tokens])
         assert torch.equal(pool.k, k)
+
+
+def test_one_row_projections_take_the_matrix_vector_kernel(monkeypatch):
+    """``_project`` on one row (a decode step of one request) runs ``kernels.gemv`` on the
+    layer's own weight, fused q/k/v and gate/up included, and gives the GEMM's values to
+    fp32 rounding; two rows, or no kernel, run the GEMM."""
+    from minirt.forward import _project
+    from minirt.model import _GATE_UP, _QKV, _projections, fuse_projections
+
+    if kernels.library() is None:
+        pytest.skip("no C compiler: torch's GEMMs only")
+    model = tiny_model(4)
+    fuse_projections(model)
+    layer = model.model.layers[0]
+    calls = []
+    gemv = kernels.gemv
+    monkeypatch.setattr(kernels, "gemv", lambda *a: calls.append(1) or gemv(*a))
+    x = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for module, names in ((layer.self_attn, _QKV), (layer.mlp, _GATE_UP)):
+            got, want = _project(module, names, x), _projections(module, names, x)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        for linear in (layer.self_attn.o_proj, model.lm_head):
+            torch.testing.assert_close(_project(linear, None, x), linear(x), rtol=1e-5,
+                                       atol=1e-5)
+        assert len(calls) == 4
+        _project(model.lm_head, None, x.expand(1, 2, -1))
+        assert len(calls) == 4

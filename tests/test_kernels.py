@@ -258,7 +258,7 @@ def _cpu_has(flag: str) -> bool:
 def test_narrower_vectors_build_and_compute_the_same(monkeypatch, march, needs):
     """Built for the vectors of 4 floats (SSE) or 8 (AVX2) that other CPUs get instead of
     this one's (``vec.h``'s ``W``), the kernels compile and give float64 attention, and
-    the layer kernels their torch operations."""
+    the layer kernels and ``gemv`` their torch operations."""
     if not _cpu_has(needs):
         pytest.skip(f"this CPU lacks {needs}")
     flags = tuple(f"-march={march}" if f.startswith("-march=") else f for f in kernels.FLAGS)
@@ -275,6 +275,8 @@ def test_narrower_vectors_build_and_compute_the_same(monkeypatch, march, needs):
     want = decode_reference(q, k, v, own, pk, pv, grouped, lengths, 0.125)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
     check_layer_kernels(9, 5, 44, True)
+    w, x = torch.randn(37, 48), torch.randn(1, 48)
+    torch.testing.assert_close(kernels.gemv(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 @needs_compiler
@@ -358,3 +360,32 @@ def test_what_the_layer_kernels_leave_to_torch():
     assert not kernels.rope(q[:, :, :7], k[:, :, :7], cos[..., :7], cos[..., :7])  # odd d
     assert not kernels.rope(q.transpose(0, 1), k.transpose(0, 1), cos, cos)
     assert torch.equal(q, q0)
+
+
+@needs_compiler
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 70), k=st.sampled_from([16, 48, 64, 576]),
+       biased=st.booleans(), spare=st.integers(0, 3))
+def test_gemv_is_a_linear_layer_on_one_row(seed, n, k, biased, spare):
+    """``gemv`` gives ``F.linear`` of one row to fp32 rounding, whatever the outputs (a
+    last block of fewer than a vector's), the bias and the weight's row stride."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k + spare, generator=gen)[:, :k]
+    x, b = torch.randn(1, 1, k, generator=gen), torch.randn(n, generator=gen)
+    got = kernels.gemv(x, w, b if biased else None)
+    want = torch.nn.functional.linear(x, w, b if biased else None)
+    assert got is not None and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_what_gemv_leaves_to_torch():
+    """Two rows or more, K not a multiple of every vector width, not fp32, a bias or a
+    weight of the wrong size: None."""
+    w, x = torch.randn(5, 64), torch.randn(1, 64)
+    assert kernels.gemv(x, w) is not None
+    assert kernels.gemv(torch.randn(2, 64), w) is None
+    assert kernels.gemv(x[:, :10], w[:, :10]) is None
+    assert kernels.gemv(x.bfloat16(), w.bfloat16()) is None
+    assert kernels.gemv(x, w, torch.randn(4)) is None
+    assert kernels.gemv(x, torch.randn(5, 32)) is None

@@ -23,27 +23,6 @@
 
 #define RBMAX 4  /* query rows a block takes at most: their keys and values are read once */
 
-/* Lane permutations, as index lists for __builtin_shufflevector: the even and odd lanes
-   of two vectors, and lane i from lane i ^ k of one. */
-#define EVEN_4 0, 2, 4, 6
-#define EVEN_8 EVEN_4, 8, 10, 12, 14
-#define EVEN_16 EVEN_8, 16, 18, 20, 22, 24, 26, 28, 30
-#define ODD_4 1, 3, 5, 7
-#define ODD_8 ODD_4, 9, 11, 13, 15
-#define ODD_16 ODD_8, 17, 19, 21, 23, 25, 27, 29, 31
-#define XOR1_4 1, 0, 3, 2
-#define XOR1_8 XOR1_4, 5, 4, 7, 6
-#define XOR1_16 XOR1_8, 9, 8, 11, 10, 13, 12, 15, 14
-#define XOR2_4 2, 3, 0, 1
-#define XOR2_8 XOR2_4, 6, 7, 4, 5
-#define XOR2_16 XOR2_8, 10, 11, 8, 9, 14, 15, 12, 13
-#define XOR4_8 4, 5, 6, 7, 0, 1, 2, 3
-#define XOR4_16 XOR4_8, 12, 13, 14, 15, 8, 9, 10, 11
-#define XOR8_16 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7
-#define LANES_(name, w) name##_##w
-#define LANES(name, w) LANES_(name, w)
-#define SHUF(a, b, name) __builtin_shufflevector(a, b, LANES(name, W))
-
 static inline vf vmax(vf a, vf b) { return pick(a > b, a, b); }
 
 /* The maximum and the sum of a vector's lanes, in every lane. */
@@ -81,19 +60,6 @@ typedef struct {
     int heads, kv_heads, d;
     float scale;
 } Args;
-
-/* n vectors of partial sums (n a power of 2, at most W) folded into one: each round adds
-   the neighbouring lanes of two vectors into one, halving the lanes per key, the keys'
-   order kept. Folding the W keys' vectors in fours, then the fours, gives the vector of
-   W scores, lane j the sum of key j's lanes, in the same order of additions as folding
-   all W at once, with fewer vectors held. part is overwritten. */
-static inline vf fold(vf *part, int n) {
-    for (; n > 1; n /= 2)
-        for (int i = 0; i < n / 2; i++)
-            part[i] = SHUF(part[2 * i], part[2 * i + 1], EVEN) +
-                      SHUF(part[2 * i], part[2 * i + 1], ODD);
-    return part[0];
-}
 
 /* R query rows (q, scaled to base 2, and acc [R][D]; their running max mx and sum l) go
    on over n keys and values at kb, vb, a position every ks, vs floats, RB rows (at most

@@ -1,7 +1,7 @@
 /* What minirt's CPU kernels share: a vector of W floats (16 with AVX-512, 8 with AVX, else
    4), written with GCC/Clang vector extensions, which the compiler lowers to the widest
-   vectors the CPU has (-march=native); unaligned loads and stores; 2^x on a vector; and
-   each thread's scratch. */
+   vectors the CPU has (-march=native); unaligned loads and stores; 2^x on a vector; lane
+   shuffles and the fold of dot products' partial sums; and each thread's scratch. */
 #ifndef MINIRT_VEC_H
 #define MINIRT_VEC_H
 #include <stdint.h>
@@ -41,6 +41,40 @@ static inline vf exp2v(vf x) {
     p = p * f + 1.0f;
     const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
     return (vf)((vi)(p * (vf)e) & ~low);
+}
+
+/* Lane permutations, as index lists for __builtin_shufflevector: the even and odd lanes
+   of two vectors, and lane i from lane i ^ k of one. */
+#define EVEN_4 0, 2, 4, 6
+#define EVEN_8 EVEN_4, 8, 10, 12, 14
+#define EVEN_16 EVEN_8, 16, 18, 20, 22, 24, 26, 28, 30
+#define ODD_4 1, 3, 5, 7
+#define ODD_8 ODD_4, 9, 11, 13, 15
+#define ODD_16 ODD_8, 17, 19, 21, 23, 25, 27, 29, 31
+#define XOR1_4 1, 0, 3, 2
+#define XOR1_8 XOR1_4, 5, 4, 7, 6
+#define XOR1_16 XOR1_8, 9, 8, 11, 10, 13, 12, 15, 14
+#define XOR2_4 2, 3, 0, 1
+#define XOR2_8 XOR2_4, 6, 7, 4, 5
+#define XOR2_16 XOR2_8, 10, 11, 8, 9, 14, 15, 12, 13
+#define XOR4_8 4, 5, 6, 7, 0, 1, 2, 3
+#define XOR4_16 XOR4_8, 12, 13, 14, 15, 8, 9, 10, 11
+#define XOR8_16 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7
+#define LANES_(name, w) name##_##w
+#define LANES(name, w) LANES_(name, w)
+#define SHUF(a, b, name) __builtin_shufflevector(a, b, LANES(name, W))
+
+/* n vectors of partial sums (n a power of 2, at most W) folded into one: each round adds
+   the neighbouring lanes of two vectors into one, halving the lanes per vector, their
+   order kept. W dot products' vectors folded in fours, then the fours, give one vector
+   of the W sums, lane j the sum of vector j's lanes, in the same order of additions as
+   folding all W at once, with fewer vectors held. part is overwritten. */
+static inline vf fold(vf *part, int n) {
+    for (; n > 1; n /= 2)
+        for (int i = 0; i < n / 2; i++)
+            part[i] = SHUF(part[2 * i], part[2 * i + 1], EVEN) +
+                      SHUF(part[2 * i], part[2 * i + 1], ODD);
+    return part[0];
 }
 
 /* This thread's scratch of at least n floats, 64-byte aligned: kept from call to call
