@@ -26,8 +26,9 @@
    prefixes of 512 tokens, 64 of their own each), through minirt's ``Engine.generate`` and
    then vLLM's offline ``LLM`` (in ``.venv-vllm``, ``benchmarks/vllm_decode.py``), measured
    the same way on both: a call of 34 tokens less one of 2, over 32, fresh prompts each.
-5. ``--vllm`` also: those steps' GEMMs alone, minirt's kernel against vLLM's (one
-   process, alternated, random weights at the model's shapes: ``vllm_decode.gemm_steps``).
+5. ``--vllm`` also: those steps' GEMMs alone, minirt's kernels (``kernels.gemv`` on one
+   row, oneDNN on its prepacked weights on more) against vLLM's (one process, alternated,
+   random weights at the model's shapes: ``vllm_decode.gemm_steps``).
 6. Decode attention alone at section 4's shapes, minirt's decode kernel against torch's
    path (``cascade_decode``'s two attention calls and merge), every layer's K/V its own.
 
@@ -271,7 +272,8 @@ def vllm_side_by_side(model, repeats: int) -> None:
     print(f"\n5. The same steps' GEMMs alone ({len(result['gemms'])} batch sizes; "
           "random weights at the model's shapes, the two kernels alternated in one "
           "process), ms per step:")
-    print(f"   {'requests':>8} {'vLLM onednn_mm':>15} {'minirt packed':>14} {'minirt/vLLM':>12}")
+    print(f"   {'requests':>8} {'vLLM onednn_mm':>15} {'minirt':>14} {'minirt/vLLM':>12}"
+          "   (minirt: gemv on 1 row, oneDNN prepacked on more)")
     for b, t in result["gemms"].items():
         print(f"   {b:>8} {t['vllm'] * 1e3:15.1f} {t['minirt'] * 1e3:14.1f} "
               f"{t['minirt'] / t['vllm']:12.2f}")

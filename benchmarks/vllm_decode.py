@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -58,20 +59,28 @@ def main(spec_path: str, out_path: str) -> None:
 def gemm_steps(spec: dict, rounds: int = 5, calls: int = 20) -> dict[str, dict[str, float]]:
     """Per batch size in ``spec["rows"]``: seconds for one decode step's GEMMs (``layers`` x
     the per-layer ``shapes`` [out, in], plus the ``head``), minirt's kernel and vLLM's, the
-    best of ``rounds`` alternated rounds of ``calls`` steps each."""
+    best of ``rounds`` alternated rounds of ``calls`` steps each. minirt's is what its
+    forward runs: ``minirt.kernels.gemv`` on one row (imported from this checkout; the
+    compiled library needs no more than torch), oneDNN on its prepacked weights on more."""
     import torch
     from vllm import _custom_ops as ops
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from minirt.kernels import gemv
 
     torch.manual_seed(0)  # a weight per layer and shape, as a step reads them all from memory
     shapes = [*[tuple(s) for s in spec["shapes"]] * spec["layers"], tuple(spec["head"])]
     weights = [torch.randn(*s) / s[1] ** 0.5 for s in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
     handlers = [ops.create_onednn_mm(w.t(), 32) for w in weights]
-    kernels = {
-        "minirt": lambda i, x: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none",
-                                                                  [], ""),
-        "vllm": lambda i, x: ops.onednn_mm(handlers[i], x, None),
-    }
+
+    def minirt(i: int, x: torch.Tensor) -> torch.Tensor:
+        y = gemv(x, weights[i]) if x.shape[0] == 1 else None
+        if y is None:
+            y = torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
+        return y
+
+    kernels = {"minirt": minirt, "vllm": lambda i, x: ops.onednn_mm(handlers[i], x, None)}
     result = {}
     for rows in spec["rows"]:
         inputs = {s: torch.randn(rows, s[1]) for s in set(shapes)}
