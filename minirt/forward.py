@@ -65,8 +65,9 @@ def llama_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
     must be row-invariant too: ``aligned_attention``).
     """
     def run(module, names, x):
-        fn = partial(_project, module, names)
-        return _rows(fn, x) if deterministic else fn(x)
+        if deterministic:
+            return _rows(partial(_project, module, names), x)
+        return _project(module, names, x)
 
     inner = model.model
     h = inner.embed_tokens(input_ids)
@@ -219,7 +220,6 @@ def _silu_mul(mlp, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if out is not None:
             return out
     return mlp.act_fn(gate).mul_(up)
-
 
 
 def shared_prefix_attention(query: torch.Tensor, prefix_k: torch.Tensor,

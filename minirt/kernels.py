@@ -220,7 +220,7 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: torch.Tensor 
     return out if rc == 0 else None
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor | None:
+def _matrix(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` as ``[rows, features]``, fp32 on the CPU with the features contiguous, as the
     layer kernels read it: a view, no copy (None where there is none)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1:
@@ -237,8 +237,8 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float,
     ``h += delta`` where ``delta`` is given (in place: the residual add before the norm);
     None, ``h`` untouched, for what it leaves to torch (not fp32 on the CPU, shapes that
     differ, no kernel)."""
-    x, w = _rows(h), _rows(weight)
-    e = None if delta is None else _rows(delta)
+    x, w = _matrix(h), _matrix(weight)
+    e = None if delta is None else _matrix(delta)
     lib = library() if x is not None and w is not None else None
     if (lib is None or w.numel() != x.shape[1] or w.shape[0] != 1
             or (delta is not None and (e is None or e.shape != x.shape))):
@@ -257,7 +257,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     per position): the bits of ``forward._rope``. One call where ``k``'s heads follow
     ``q``'s in memory (the fused q/k/v GEMM's output), two otherwise. False, nothing
     changed, for what it leaves to torch."""
-    c, s, d = _rows(cos), _rows(sin), q.shape[-1]
+    c, s, d = _matrix(cos), _matrix(sin), q.shape[-1]
     if (c is None or s is None or d % 2 or k.shape[-1] != d or c.shape != s.shape
             or c.shape[1] != d or c.stride(0) != s.stride(0)
             or any(x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1
@@ -284,7 +284,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` by minirt's kernel (``gate``, ``up`` ``[..., dim]``, views of
     the fused gate/up GEMM's output), to within fp32 rounding of torch's; None for what it
     leaves to torch."""
-    g, u = _rows(gate), _rows(up)
+    g, u = _matrix(gate), _matrix(up)
     lib = library() if g is not None and u is not None else None
     if lib is None or g.shape != u.shape:
         return None
@@ -302,8 +302,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     of the vector width, shapes that do not fit, no kernel."""
     if x.numel() != x.shape[-1] or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         return None
-    v, w = _rows(x), _rows(weight)
-    b = None if bias is None else _rows(bias)
+    v, w = _matrix(x), _matrix(weight)
+    b = None if bias is None else _matrix(bias)
     lib = library() if v is not None and w is not None else None
     if lib is None or (bias is not None and (b is None or b.numel() != w.shape[0])):
         return None
