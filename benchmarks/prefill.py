@@ -12,7 +12,8 @@ second step is timed:
 
 1. transformers' forward over chapter 04's ``PoolCache`` (every request's cached K/V
    gathered in every layer);
-2. ``llama_forward`` with attention split at the shared prefix (read once per layer);
+2. ``llama_forward``, the shared prefix not gathered per request (on a CPU in fp32 read in
+   the pool by minirt's attention kernel, elsewhere gathered once per layer);
 3. the same with the run of new tokens they all begin with computed once (``PrefillPlan``,
    what the engine does).
 
@@ -167,7 +168,7 @@ def main() -> None:
     model = timing_model(args.threads)
     ways = {  # name: (llama_forward, the common run computed once)
         "transformers' forward over the pool (gather)": (False, True),
-        "llama_forward, shared prefix read once": (True, False),
+        "llama_forward, no per-request gather": (True, False),
         "+ the common run computed once (minirt)": (True, True),
     }
     engines = {}

@@ -604,13 +604,15 @@ def _prefill_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch
                   share_runs: bool = True, deterministic: bool = False,
                   last_only: bool = True) -> _Rows:
     """A Llama's prefill through the pool, as ``_Rows``: in deterministic mode
-    ``_aligned_rows``, else the rows of a ``PrefillPlan`` (last positions only), attention
-    split at the shared prefix (``shared_prefix_attention``).
+    ``_aligned_rows``, else the rows of a ``PrefillPlan`` (last positions only).
 
     Each layer writes the new K/V to the pool first (the common run's into every one of its
     requests' slots), then the run attends to the prefix and causally to itself, and each
     part's requests attend to the prefix and to their own keys: the new K/V themselves
     when nothing else lies past the prefix, else gathered from the pool behind the mask.
+    On a CPU in fp32 one call of minirt's kernel does both, reading the prefix where it
+    lies in the pool (``kernels.attention``'s ``prefix``); elsewhere the prefix is gathered
+    and the attention split at it (``shared_prefix_attention``).
     """
     if deterministic:
         return _aligned_rows(pool, tables, ids, last_only)
@@ -629,12 +631,24 @@ def _prefill_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch
         rows_k, rows_v = k[0].transpose(0, 1), v[0].transpose(0, 1)
         pool.write(layer, new_slots, rows_k.index_select(0, source),
                    rows_v.index_select(0, source))
-        pk = pool.k[layer].index_select(0, prefix).transpose(0, 1)
-        pv = pool.v[layer].index_select(0, prefix).transpose(0, 1)
+        gathered: list[torch.Tensor] = []
+
+        def attention(qp, ko, vo, mask, causal: bool) -> torch.Tensor:
+            # The prefix and the part's own keys: one pass of minirt's kernel, reading the
+            # prefix in the pool, else the prefix gathered (once a layer) and merged.
+            one = kernels.attention(qp, ko, vo, mask, scale, causal,
+                                    (pool.k[layer], pool.v[layer], prefix))
+            if one is not None:
+                return one[0].transpose(1, 2)
+            if not gathered:
+                gathered.extend(x[layer].index_select(0, prefix).transpose(0, 1)
+                                for x in (pool.k, pool.v))
+            return shared_prefix_attention(qp, *gathered, ko, vo, mask, scale, causal)
+
         heads, out = q.shape[1], []
         if common:
-            out.append(shared_prefix_attention(q[:, :, :common], pk, pv, k[:, :, :common],
-                                               v[:, :, :common], None, scale, causal=True))
+            out.append(attention(q[:, :, :common], k[:, :, :common], v[:, :, :common], None,
+                                 causal=True))
         for n, lo, m, own, mask in parts:
             hi = lo + n * m
             qo = q[0, :, lo:hi].reshape(heads, n, m, head_dim).transpose(0, 1)
@@ -645,8 +659,7 @@ def _prefill_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch
                 ko = pool.k[layer].index_select(0, own).view(n, -1, kv_heads, head_dim)
                 vo = pool.v[layer].index_select(0, own).view(n, -1, kv_heads, head_dim)
                 ko, vo = ko.transpose(1, 2), vo.transpose(1, 2)
-            out.append(shared_prefix_attention(qo, pk, pv, ko, vo, mask, scale,
-                                               causal=own is None))
+            out.append(attention(qo, ko, vo, mask, causal=own is None))
         out = [o.reshape(1, -1, heads * head_dim) for o in out]
         return torch.cat(out, 1) if len(out) > 1 else out[0]
 

@@ -69,6 +69,49 @@ def test_the_kernel_is_attention(seed, b, kv_heads, group, m, n, d, causal, mask
 
 
 @needs_compiler
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), kv_heads=st.integers(1, 3),
+       group=st.sampled_from([1, 3, 8]), m=st.integers(6, 80), n=st.integers(1, 90),
+       prefix=st.integers(0, 150), causal=st.booleans(), masked=st.booleans())
+def test_the_kernel_reads_a_prefix_in_the_pool(seed, b, kv_heads, group, m, n, prefix, causal,
+                                              masked):
+    """With ``prefix``, every row first sees the prefix's keys where they lie in a pool (at
+    scattered slots, the mask and causality applying to the new keys only): float64
+    attention over the prefix gathered and put in front, to 1e-4."""
+    d = 16
+    q, k, v, mask = case(seed, b, kv_heads, group, m, n, d, causal, masked)
+    gen = torch.Generator().manual_seed(seed + 1)
+    pool_k, pool_v = (torch.randn(300, kv_heads, d, generator=gen) for _ in range(2))
+    slots = torch.randperm(300, generator=gen)[:prefix]
+    got = kernels.attention(q, k, v, mask, d ** -0.5, causal, (pool_k, pool_v, slots))
+    if got is None:
+        assert group * min(m, 32) <= 16, "the kernel refused a shape it takes"
+        return
+    own = k.shape[2]
+    whole_k, whole_v = (torch.cat([x.index_select(0, slots).transpose(0, 1).expand(b, -1, -1, -1),
+                                   y], 2) for x, y in ((pool_k, k), (pool_v, v)))
+    seen = torch.zeros(b, 1, m, prefix + own)
+    if causal:
+        seen[..., prefix:] = torch.full((m, own), float("-inf")).triu(1)
+    if mask is not None:
+        seen[..., prefix:] += mask
+    want = reference(q, whole_k, whole_v, seen, d ** -0.5, False)
+    torch.testing.assert_close(got[0].double(), want[0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(got[1].double(), want[1], rtol=0, atol=1e-4)
+
+
+@needs_compiler
+def test_a_prefix_outside_the_pool_is_left_to_torch():
+    """A slot outside the pool is refused (None: torch's gather then names it), not read."""
+    q, k, v, _ = case(2, 1, 3, 3, 40, 40, 16, True, False)
+    pool = torch.randn(50, 3, 16)
+    for bad in ([3, 50], [-1, 4]):
+        assert kernels.attention(q, k, v, None, 0.25, True,
+                                 (pool, pool, torch.tensor(bad))) is None
+    assert kernels.attention(q, k, v, None, 0.25, True, (pool, pool, torch.tensor([3, 49])))
+
+
+@needs_compiler
 def test_the_kernel_is_built_and_used_by_attention_lse(monkeypatch):
     """With a compiler, the kernel builds, and ``attention_lse`` runs a prefill's shape
     through it (nothing reaches torch's flash kernel), the same values as torch's."""
