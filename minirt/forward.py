@@ -610,9 +610,10 @@ def _prefill_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch
     requests' slots), then the run attends to the prefix and causally to itself, and each
     part's requests attend to the prefix and to their own keys: the new K/V themselves
     when nothing else lies past the prefix, else gathered from the pool behind the mask.
-    On a CPU in fp32 one call of minirt's kernel does both, reading the prefix where it
-    lies in the pool (``kernels.attention``'s ``prefix``); elsewhere the prefix is gathered
-    and the attention split at it (``shared_prefix_attention``).
+    On a CPU in fp32 one call of minirt's kernel a part does both, reading each request's
+    cached keys where they lie in the pool (``kernels.attention``'s ``prefix``): no
+    gather, no mask, no merge. Elsewhere the prefix is gathered and the attention split
+    at it (``shared_prefix_attention``).
     """
     if deterministic:
         return _aligned_rows(pool, tables, ids, last_only)
@@ -623,7 +624,8 @@ def _prefill_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch
                                  plan.prefix.to(device))
     parts = [(len(p.requests), p.start, p.length,
               None if p.own_slots is None else p.own_slots.view(-1).to(device),
-              None if p.mask is None else p.mask.to(device)) for p in plan.parts]
+              None if p.mask is None else p.mask.to(device),
+              _cached_slots([tables[r] for r in p.requests], p.length)) for p in plan.parts]
     kv_heads, head_dim = pool.kv_heads, pool.head_dim
 
     def attend(layer: int, q, k, v, scale: float) -> torch.Tensor:
@@ -633,38 +635,54 @@ def _prefill_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch
                    rows_v.index_select(0, source))
         gathered: list[torch.Tensor] = []
 
-        def attention(qp, ko, vo, mask, causal: bool) -> torch.Tensor:
-            # The prefix and the part's own keys: one pass of minirt's kernel, reading the
-            # prefix in the pool, else the prefix gathered (once a layer) and merged.
-            one = kernels.attention(qp, ko, vo, mask, scale, causal,
-                                    (pool.k[layer], pool.v[layer], prefix))
-            if one is not None:
-                return one[0].transpose(1, 2)
+        def split(qp, ko, vo, mask, causal: bool) -> torch.Tensor:
+            # torch's path: the prefix gathered (once a layer), attention split at it
             if not gathered:
                 gathered.extend(x[layer].index_select(0, prefix).transpose(0, 1)
                                 for x in (pool.k, pool.v))
             return shared_prefix_attention(qp, *gathered, ko, vo, mask, scale, causal)
 
+        def in_place(qp, kn, vn, cached) -> torch.Tensor | None:
+            # minirt's kernel: each request's cached keys read in the pool, then its new
+            # keys causally, one pass (None where the kernel does not run)
+            one = kernels.attention(qp, kn, vn, None, scale, True,
+                                    (pool.k[layer], pool.v[layer], *cached))
+            return None if one is None else one[0].transpose(1, 2)
+
         heads, out = q.shape[1], []
         if common:
-            out.append(attention(q[:, :, :common], k[:, :, :common], v[:, :, :common], None,
-                                 causal=True))
-        for n, lo, m, own, mask in parts:
+            qr, kr, vr = q[:, :, :common], k[:, :, :common], v[:, :, :common]
+            o = in_place(qr, kr, vr, (plan.prefix,))
+            out.append(split(qr, kr, vr, None, causal=True) if o is None else o)
+        for n, lo, m, own, mask, cached in parts:
             hi = lo + n * m
             qo = q[0, :, lo:hi].reshape(heads, n, m, head_dim).transpose(0, 1)
-            if own is None:
-                ko = k[0, :, lo:hi].reshape(kv_heads, n, m, head_dim).transpose(0, 1)
-                vo = v[0, :, lo:hi].reshape(kv_heads, n, m, head_dim).transpose(0, 1)
-            else:
+            kn = k[0, :, lo:hi].reshape(kv_heads, n, m, head_dim).transpose(0, 1)
+            vn = v[0, :, lo:hi].reshape(kv_heads, n, m, head_dim).transpose(0, 1)
+            o = in_place(qo, kn, vn, cached)
+            if o is None and own is None:
+                o = split(qo, kn, vn, None, causal=True)
+            elif o is None:  # the keys past the prefix gathered from the pool, masked
                 ko = pool.k[layer].index_select(0, own).view(n, -1, kv_heads, head_dim)
                 vo = pool.v[layer].index_select(0, own).view(n, -1, kv_heads, head_dim)
-                ko, vo = ko.transpose(1, 2), vo.transpose(1, 2)
-            out.append(attention(qo, ko, vo, mask, causal=own is None))
+                o = split(qo, ko.transpose(1, 2), vo.transpose(1, 2), mask, causal=False)
+            out.append(o)
         out = [o.reshape(1, -1, heads * head_dim) for o in out]
         return torch.cat(out, 1) if len(out) > 1 else out[0]
 
     return _Rows(plan.input_ids.to(device), plan.positions.to(device), plan.last.to(device),
                  attend)
+
+
+def _cached_slots(tables: Sequence[PageTable], m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool slots of each request's keys before its last ``m`` positions, as rows
+    ``[len(tables), longest]`` (zero-padded, CPU) and their lengths: what
+    ``kernels.attention`` reads in place ahead of the ``m`` new keys."""
+    lengths = torch.tensor([len(t) - m for t in tables], dtype=torch.int64)
+    slots = torch.zeros(len(tables), int(lengths.max()), dtype=torch.int64)
+    for i, t in enumerate(tables):
+        slots[i, :lengths[i]] = t.slots[:lengths[i]].cpu()
+    return slots, lengths
 
 
 def _aligned_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch.Tensor],

@@ -117,7 +117,7 @@ def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
         log.info("minirt's kernels did not load (%s); torch's kernels run.", e)
         return None
     lib.minirt_attention.restype = ctypes.c_int
-    lib.minirt_attention.argtypes = [_P] * 11 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.minirt_attention.argtypes = [_P] * 12 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.minirt_decode.restype = ctypes.c_int
     lib.minirt_decode.argtypes = [_P] * 12 + [ctypes.c_float, ctypes.c_int]
     i64, f32, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -132,7 +132,7 @@ def library(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               scale: float, causal: bool,
-              prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              prefix: tuple[torch.Tensor, ...] | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``attention_lse`` (``minirt/forward.py``) by minirt's kernel: the output ``[b,
     heads, m, d]`` (laid out ``[b, m, heads, d]``, as torch's flash kernel lays it) and
@@ -141,18 +141,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     decode step's few query rows per K/V head (16 or fewer: a task could not fill the
     kernel's two vectors of rows, and torch's kernel runs them faster).
 
-    ``prefix``: ``(pool_k, pool_v, slots)``, a KV pool layer's ``[capacity, kv_heads, d]``
-    and the slots of a cached prefix that every query sees before ``k``, ``v`` (``mask``
-    and ``causal`` apply to those only), read in place in the same pass: no gathered copy,
-    no second attention to merge."""
+    ``prefix``: ``(pool_k, pool_v, slots)`` or ``(pool_k, pool_v, slots, lengths)``, a KV
+    pool layer's ``[capacity, kv_heads, d]`` and the slots of cached keys that each
+    sequence's queries see before its ``k``, ``v`` (``mask`` and ``causal`` apply to
+    those only), read in place in the same pass: no gathered copy, no second attention
+    to merge. ``slots`` ``[P]`` is one prefix for every sequence; ``[b, P]`` with
+    ``lengths`` ``[b]`` gives sequence ``i`` the first ``lengths[i]`` of row ``i``."""
     b, heads, m, d = q.shape
     kv_heads, n = k.shape[1], k.shape[2]
-    pk, pv, slots = prefix if prefix is not None else (k.new_empty(0, kv_heads, d),) * 2 + (_NONE,)
+    pk, pv, slots, *lengths = prefix if prefix is not None else \
+        ((k.new_empty(0, kv_heads, d),) * 2 + (_NONE,))
     if (q.device.type != "cpu" or pk.device.type != "cpu"
             or {q.dtype, k.dtype, v.dtype, pk.dtype, pv.dtype} != {torch.float32}
             or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d
             or n == 0 or heads % kv_heads or (causal and m != n) or heads // kv_heads * m <= 16
-            or pk.shape != pv.shape or pk.shape[1:] != (kv_heads, d) or slots.dim() != 1
+            or pk.shape != pv.shape or pk.shape[1:] != (kv_heads, d)
+            or not (slots.dim() == 1 and not lengths or slots.dim() == 2 and len(lengths) == 1
+                    and slots.shape[0] == b == lengths[0].numel())
             or (mask is not None and (mask.dtype != torch.float32 or mask.dim() != 4
                                       or mask.shape[1] != 1))):
         return None
@@ -160,8 +165,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if lib is None:
         return None
     slots = _cpu_int64(slots)[0]
-    if slots.numel() and not 0 <= int(slots.min()) <= int(slots.max()) < pk.shape[0]:
-        return None  # torch's gather says which slot is outside the pool
+    plen = _cpu_int64(lengths[0])[0] if lengths else \
+        torch.full((b,), slots.numel(), dtype=torch.int64)
+    if ((slots.numel() and not 0 <= int(slots.min()) <= int(slots.max()) < pk.shape[0])
+            or (lengths and not 0 <= int(plen.min()) <= int(plen.max()) <= slots.shape[1])):
+        return None  # torch's path says what is wrong
     q, k, v, pk, pv = _unit_stride(q, k, v, pk, pv)
     mask_strides = (0, 0)
     if mask is not None:
@@ -171,14 +179,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         mask_strides = (mask.stride(0), mask.stride(2))
     out = q.new_empty(b, m, heads, d).transpose(1, 2)
     lse = q.new_empty(b, heads, m)
-    strides = (ctypes.c_int64 * 20)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+    strides = (ctypes.c_int64 * 21)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                                     *mask_strides, *out.stride()[:3], *lse.stride()[:2],
-                                    *pk.stride()[:2], *pv.stride()[:2])
-    shape = (ctypes.c_int * 7)(b, heads, kv_heads, m, n, d, slots.numel())
+                                    *pk.stride()[:2], *pv.stride()[:2],
+                                    slots.stride(0) if slots.dim() == 2 else 0)
+    shape = (ctypes.c_int * 6)(b, heads, kv_heads, m, n, d)
     with _profiled():
         rc = lib.minirt_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                   0 if mask is None else mask.data_ptr(), pk.data_ptr(),
-                                  pv.data_ptr(), slots.data_ptr(), out.data_ptr(),
+                                  pv.data_ptr(), slots.data_ptr(), plen.data_ptr(),
+                                  out.data_ptr(),
                                   lse.data_ptr(), strides, shape, scale, int(causal),
                                   torch.get_num_threads())
     return (out, lse) if rc == 0 else None

@@ -415,27 +415,36 @@ def test_one_row_projections_take_the_matrix_vector_kernel(monkeypatch):
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["minirt's kernel", "torch's"])
 def test_a_cached_prefill_reads_its_prefix_in_the_pool(monkeypatch, kernel):
-    """A prefill behind a cached prefix, a batch of two sharing it (one part: both have 30
-    new tokens): with the kernel, one pass reads the prefix in place (no gathered copy, no
-    split attention to merge); without it, the prefix gathered and the split merged. Both
-    give one uncached pass's logits to fp32 rounding."""
+    """A prefill of three requests with 30 new tokens each (one part), two behind one cached
+    prefix of 40 and one behind another of 25: with the kernel, one pass reads each
+    request's cached keys in place (no gathered copy, no mask, no split attention to
+    merge); without it, the keys gathered and the split merged. Both give one uncached
+    pass's logits to fp32 rounding."""
     if kernel and kernels.library() is None:
         pytest.skip("no C compiler: torch's attention only")
     if not kernel:
         monkeypatch.setattr(kernels, "library", lambda flags=kernels.FLAGS: None)
     model = _tiny(torch.float32)
     gen = torch.Generator().manual_seed(3)
-    prefix, tails = torch.randint(0, 128, (40,), generator=gen), \
-        [torch.randint(0, 128, (n,), generator=gen) for n in (30, 30)]
+    prefixes = [torch.randint(0, 128, (n,), generator=gen) for n in (40, 25)]
     pool = KVPool.for_model(model, 512)
-    cached = PageTable(pool.alloc(40))
-    forward_paged(model, pool, [cached], [prefix])
-    tables = [PageTable(torch.cat([cached.slots, pool.alloc(30)])) for _ in tails]
+    cached = [PageTable(pool.alloc(p.numel())) for p in prefixes]
+    for table, p in zip(cached, prefixes, strict=True):
+        forward_paged(model, pool, [table], [p])
+    behind = [0, 0, 1]
+    tails = [torch.randint(0, 128, (30,), generator=gen) for _ in behind]
+    tables = [PageTable(torch.cat([cached[b].slots, pool.alloc(30)])) for b in behind]
     split = mock.patch.object(forward, "shared_prefix_attention",
                               wraps=forward.shared_prefix_attention)
+    calls = []
+    attention = kernels.attention
+    monkeypatch.setattr(kernels, "attention", lambda *a: calls.append(a) or attention(*a))
     with split as merged:
         got = forward_paged(model, pool, tables, tails, share_runs=False)
     assert merged.call_count == (0 if kernel else model.config.num_hidden_layers)  # one part
-    for tail, logits in zip(tails, got, strict=True):
-        torch.testing.assert_close(logits, _alone(model, torch.cat([prefix, tail]), False),
+    if kernel:  # no mask: each request's own cached keys, then its new ones causally
+        assert calls and all(a[3] is None and a[5] is True and a[6][3].tolist() == [40, 40, 25]
+                             for a in calls)
+    for b, tail, logits in zip(behind, tails, got, strict=True):
+        torch.testing.assert_close(logits, _alone(model, torch.cat([prefixes[b], tail]), False),
                                    rtol=1e-4, atol=1e-4)

@@ -6,9 +6,9 @@
    broadcasts, so both matrix products are outer products of a row vector with a
    broadcast scalar, and the online softmax (max, exp, sum per row) is elementwise over
    vectors too. Scores are kept in base 2 (q scaled by scale * log2 e): exp2 is a
-   rounding, a polynomial and an exponent shift. A cached prefix can come first: P keys
-   every row sees, read where they lie in the KV pool (by slot), before the new keys, in
-   the same pass. */
+   rounding, a polynomial and an exponent shift. A cached prefix can come first: keys
+   every row of a sequence sees, read where they lie in the KV pool (by slot), before its
+   new keys, in the same pass. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,11 +33,12 @@
 
 typedef struct {
     const float *q, *k, *v, *mask, *pk, *pv;
-    const int64_t *slots;  /* the prefix's P slots in the pool's pk, pv */
+    const int64_t *slots, *plen;  /* sequence i's prefix: plen[i] slots of pk, pv at */
+    int64_t ss;                   /* slots + i * ss (ss 0: one prefix for all) */
     float *out, *lse;
     int64_t qs[3], ks[3], vs[3], ms[2], os[3], ls[2]; /* strides: batch, head, position */
     int64_t pks[2], pvs[2];                           /* pool strides: slot, head */
-    int b, heads, kv_heads, m, n, d, causal, tasks, P;
+    int b, heads, kv_heads, m, n, d, causal, tasks;
     float scale;
 } Args;
 
@@ -152,9 +153,11 @@ static void task(const Args *a, int t, const Scratch *s) {
     }
     memset(ot, 0, sizeof(float) * d * RP);
     const Rows w = {R, RP, np, p0, mx, l, last};
-    for (int j0 = 0; j0 < a->P; j0 += BK)  /* the prefix, slot by slot in the pool */
+    const int P = (int)a->plen[bi];
+    const int64_t *slots = a->slots + bi * a->ss;
+    for (int j0 = 0; j0 < P; j0 += BK)  /* the prefix, slot by slot in the pool */
         tile(a, s, &w, bi, a->pk + h * a->pks[1], a->pks[0], a->pv + h * a->pvs[1], a->pvs[0],
-             a->slots + j0, a->P - j0 < BK ? a->P - j0 : BK, -1);
+             slots + j0, P - j0 < BK ? P - j0 : BK, -1);
     const int kend = a->causal && p0 + np < a->n ? p0 + np : a->n;
     const float *kb = a->k + bi * a->ks[0] + h * a->ks[1];
     const float *vb = a->v + bi * a->vs[0] + h * a->vs[1];
@@ -188,22 +191,23 @@ static int run(const Args *a, int threads) {
 }
 
 /* out[b, heads, m, d] and lse[b, heads, m] (natural log) of q[b, heads, m, d] against
-   the P keys of the pool pk, pv[slots, kv_heads, d] at slots[0..P) (a prefix every row
-   sees; P may be 0), then k, v[b, kv_heads, n, d], through the strides given (the last
-   dimension contiguous; strides: q, k, v 3 each, mask 2 (batch, position), out 3, lse 2,
-   pk, pv 2 each (slot, head)), mask additive over k's keys and shared by the heads or
-   NULL, causal: position i sees keys 0..i of k. Returns 0, -1 for
+   sequence i's prefix, the plen[i] keys of the pool pk, pv[capacity, kv_heads, d] at
+   slots[i * ss ..] (plen[i] may be 0; ss 0: the same prefix for every sequence), then
+   k, v[b, kv_heads, n, d], through the strides given (the last dimension contiguous;
+   strides: q, k, v 3 each, mask 2 (batch, position), out 3, lse 2, pk, pv 2 each (slot,
+   head), slots 1 (ss)), mask additive over k's keys and shared by the heads or NULL,
+   causal: position i sees keys 0..i of k. Returns 0, -1 for
    shapes it does not take, among them those whose tasks have too few rows to fill a
    register block (a decode step's: torch's kernel runs those faster), -2 when out of
    memory (then out holds nothing promised). */
 int minirt_attention(const float *q, const float *k, const float *v, const float *mask,
-                     const float *pk, const float *pv, const int64_t *slots, float *out,
-                     float *lse, const int64_t *strides, const int *shape, float scale,
-                     int causal, int nthreads) {
+                     const float *pk, const float *pv, const int64_t *slots,
+                     const int64_t *plen, float *out, float *lse, const int64_t *strides,
+                     const int *shape, float scale, int causal, int nthreads) {
     Args a = {.q = q, .k = k, .v = v, .mask = mask, .pk = pk, .pv = pv, .slots = slots,
-              .out = out, .lse = lse, .b = shape[0], .heads = shape[1],
+              .plen = plen, .out = out, .lse = lse, .b = shape[0], .heads = shape[1],
               .kv_heads = shape[2], .m = shape[3], .n = shape[4], .d = shape[5],
-              .P = shape[6], .causal = causal, .scale = scale};
+              .causal = causal, .scale = scale};
     memcpy(a.qs, strides, sizeof a.qs);
     memcpy(a.ks, strides + 3, sizeof a.ks);
     memcpy(a.vs, strides + 6, sizeof a.vs);
@@ -212,14 +216,20 @@ int minirt_attention(const float *q, const float *k, const float *v, const float
     memcpy(a.ls, strides + 14, sizeof a.ls);
     memcpy(a.pks, strides + 16, sizeof a.pks);
     memcpy(a.pvs, strides + 18, sizeof a.pvs);
-    if (a.b < 1 || a.m < 1 || a.n < 1 || a.P < 0 || a.kv_heads < 1 || a.heads % a.kv_heads ||
+    a.ss = strides[20];
+    double keys = 0;  /* prefix keys, all sequences */
+    for (int i = 0; i < a.b; i++) {
+        if (plen[i] < 0) return -1;
+        keys += (double)plen[i];
+    }
+    if (a.b < 1 || a.m < 1 || a.n < 1 || a.kv_heads < 1 || a.heads % a.kv_heads ||
         a.d < 1 || a.d > MAXD || a.d % KB || a.heads / a.kv_heads * BQ > MAXROWS ||
         a.heads / a.kv_heads * (a.m < BQ ? a.m : BQ) <= (RV - 1) * W)
         return -1;
     a.tasks = a.b * a.kv_heads * ((a.m + BQ - 1) / BQ);
     /* A thread per 2 MFLOP or so, at most nthreads and one per task. */
     const double flop =
-        4.0 * a.b * a.heads * (double)a.m * a.d * (a.n / (causal ? 2.0 : 1.0) + a.P);
+        4.0 * a.heads * (double)a.m * a.d * (a.b * a.n / (causal ? 2.0 : 1.0) + keys);
     int threads = nthreads < 1 ? 1 : nthreads;
     if (threads > flop / 2e6) threads = flop < 4e6 ? 1 : (int)(flop / 2e6);
     if (threads > a.tasks) threads = a.tasks;
