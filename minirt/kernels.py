@@ -156,8 +156,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d
             or n == 0 or heads % kv_heads or (causal and m != n) or heads // kv_heads * m <= 16
             or pk.shape != pv.shape or pk.shape[1:] != (kv_heads, d)
-            or not (slots.dim() == 1 and not lengths or slots.dim() == 2 and len(lengths) == 1
-                    and slots.shape[0] == b == lengths[0].numel())
+            or not ((slots.dim() == 1 and not lengths)  # one prefix for all, or a row each
+                    or (slots.dim() == 2 and len(lengths) == 1
+                        and slots.shape[0] == b == lengths[0].numel()))
             or (mask is not None and (mask.dtype != torch.float32 or mask.dim() != 4
                                       or mask.shape[1] != 1))):
         return None
