@@ -17,7 +17,9 @@ everything submitted so far, the way mini-sglang's scheduler loop does:
    time to first token, TTFT) and its prompt goes into the tree so that requests admitted
    later can share it (a request that would share whole pages of a prompt of its own
    batch waits one step for them; a shorter run of new tokens that several begin with is
-   computed once, ``forward.PrefillPlan``); it decodes from the next step on;
+   computed once, ``forward.PrefillPlan``); it decodes from the next step on. With
+   ``chunked_prefill=True`` the prompt that would overflow the budget is cut to fill it,
+   and its other parts go first in the next steps: its first token comes with the last;
 4. *finish*: insert prompt + output, unlock, free the tail that is not a whole page.
 
 ``Engine.generate(requests)`` submits a list of requests (all arriving now) and steps
@@ -115,8 +117,8 @@ class RequestMetrics:
     (its ``submit``; for ``generate``, the call).
 
     ``ttft``: arrival to first output token (queueing + its own prefill);
-    ``prefill_time``: the forward pass that prefilled it (running requests decoding in the
-    same pass); ``latency``: arrival to finish.
+    ``prefill_time``: the forward passes that prefilled it (one, or one per chunk; running
+    requests decoding in the same passes); ``latency``: arrival to finish.
     ``loaded_tokens``: the part of ``cached_tokens`` loaded back from a host tier for it
     (chapter 09; 0 without one).
     """
@@ -293,10 +295,10 @@ class _CountingLifecycle(Lifecycle):
 class RequestHandle:
     """A submitted request, followed while it runs (``Engine.submit`` returns it).
 
-    ``status``: "waiting" (queued), "running" (prefilled, decoding), "finished" or
-    "cancelled". ``output_ids`` grows as steps produce tokens; ``result`` is complete
-    once ``done``. ``arrival`` (a ``time.perf_counter()`` value) is where its TTFT and
-    latency count from.
+    ``status``: "waiting" (queued), "prefilling" (admitted, a chunked prompt part-way),
+    "running" (prefilled, decoding), "finished" or "cancelled". ``output_ids`` grows as
+    steps produce tokens; ``result`` is complete once ``done``. ``arrival`` (a
+    ``time.perf_counter()`` value) is where its TTFT and latency count from.
     """
 
     rid: str
@@ -331,8 +333,9 @@ class RequestHandle:
 @dataclass
 class StepOutput:
     """What one ``Engine.step`` did: the tokens it produced, in order, as (rid, token),
-    the requests it admitted (and prefilled), the requests that finished, and the seconds
-    it spent admitting and in its forward pass (``minirt.serve --step-log``)."""
+    the requests whose prompts it completed (admitted, prefilled, each given its first
+    token; a chunked prompt counts at its last part), the requests that finished, and the
+    seconds it spent admitting and in its forward pass (``minirt.serve --step-log``)."""
 
     tokens: list[tuple[str, int]] = field(default_factory=list)
     admitted: list[RequestHandle] = field(default_factory=list)
@@ -350,7 +353,10 @@ class Engine:
 
     ``token_budget`` caps the uncached prompt tokens prefilled in one scheduling step,
     beside its running requests' decode (the first request of a step is always admitted, so a
-    prompt longer than the budget still runs, alone in its step). ``check`` runs the
+    prompt longer than the budget still runs, alone in its step). With ``chunked_prefill``
+    the prompt that would overflow the budget is cut instead: its first tokens fill the
+    step and the rest follow in the next steps, before anything newer (a request admitted
+    this way holds all its slots from admission on). ``check`` runs the
     pool/cache integrity check after every step (for tests). The cache persists across
     ``generate`` calls; ``flush`` empties it. ``schedule`` (a policy name or a
     ``minirt.scheduler.Scheduler``) orders the waiting queue before each admission step;
@@ -379,7 +385,7 @@ class Engine:
                  schedule: str | Scheduler = "fcfs", cache: str | None = None,
                  host_capacity: int | None = None, write_policy: str = "write_through",
                  write_through_threshold: int = 1, deterministic: bool = False,
-                 window_capacity: int | None = None) -> None:
+                 window_capacity: int | None = None, chunked_prefill: bool = False) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) \
                 or token_budget < 1:
             raise RequestError(f"token_budget must be a positive int, got {token_budget!r}")
@@ -421,6 +427,9 @@ class Engine:
         if self.host_tier is not None:  # load-backs make room the way admissions do
             self.host_tier.make_room = self.lifecycle.make_room
         self.use_cache, self.token_budget, self.check = use_cache, token_budget, check
+        if not isinstance(chunked_prefill, bool):
+            raise RequestError(f"chunked_prefill must be True or False, got {chunked_prefill!r}")
+        self.chunked_prefill = chunked_prefill
         self.lifecycle.share_runs = use_cache  # without a cache, nothing is computed once
         self.lifecycle.deterministic = deterministic  # forward.py's switch (chapter 10)
         config = model.config.get_text_config(decoder=True)
@@ -429,6 +438,7 @@ class Engine:
         self.eos_token_id = _eos_id(model, tokenizer)
         self._next_rid = 0
         self._waiting: deque[RequestHandle] = deque()
+        self._prefilling: list[RequestHandle] = []  # admitted, prompt part-way (chunked)
         self._running: list[RequestHandle] = []
         self._live: dict[str, RequestHandle] = {}
 
@@ -530,20 +540,26 @@ class Engine:
 
     def step(self, on_token: TokenCallback | None = None) -> StepOutput:
         """One scheduling step: admit what fits, then one forward pass that prefills the
-        admitted requests and decodes every running one, then finish those that are done.
+        admitted requests (or, chunked, their next part) and decodes every running one,
+        then finish those that are done.
 
         Returns the tokens produced (also passed to ``on_token(rid, token)`` as they come)
-        and who was admitted and finished. Does nothing when no request is pending.
+        and who got their first token and who finished. Does nothing when no request is
+        pending.
         """
         out = StepOutput()
         start = time.perf_counter()
-        running = list(self._running)  # they decode; the admitted get their first token
-        admitted = self._admit()
+        running = list(self._running)  # they decode; the prefilled get their first token
+        plan, chunks = self._admit()
         out.admit_s = time.perf_counter() - start
-        if admitted or running:
+        if plan or running:
             start = time.perf_counter()
-            self.lifecycle.step([j.lc for j in admitted], [j.lc for j in running])
-            self._started(admitted, out, on_token, time.perf_counter() - start)
+            self.lifecycle.step([j.lc for j in plan], [j.lc for j in running], chunks)
+            seconds = time.perf_counter() - start
+            for job in plan:
+                job.prefill_time += seconds
+            self._prefilling = [j for j in self._prefilling if not j.lc.output]
+            self._started([j for j in plan if j.lc.output], out, on_token)
             for job in running:
                 self._emit(job, out, on_token)
             out.forward_s = time.perf_counter() - start
@@ -568,10 +584,9 @@ class Engine:
             if isinstance(handle, RequestHandle) and handle.done:
                 return False
             raise RequestError(f"no request {rid!r} is waiting or running")
-        if job in self._waiting:
-            self._waiting.remove(job)
-        if job in self._running:
-            self._running.remove(job)
+        for queue in (self._waiting, self._prefilling, self._running):
+            if job in queue:
+                queue.remove(job)
         if job.lc.state in ("locked", "running"):
             self.lifecycle.abort(job.lc)
         self.lifecycle.requests.pop(rid, None)
@@ -587,13 +602,13 @@ class Engine:
 
     @property
     def running(self) -> list[RequestHandle]:
-        """Admitted requests still decoding."""
-        return list(self._running)
+        """Admitted requests not finished: part-way through a chunked prefill, or decoding."""
+        return self._prefilling + self._running
 
     @property
     def has_work(self) -> bool:
         """True while any request is waiting or running."""
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._prefilling or self._running)
 
     # ------------------------------------------------------------ the loop
     def generate(self, requests: Sequence[Request] | Request, *, progress: bool = True,
@@ -698,36 +713,53 @@ class Engine:
                                      [j.lc.prompt for j in admitted])
     # ---- end of the scheduling hook
 
-    def _admit(self) -> list[RequestHandle]:
-        """Step 2: admit in the scheduler's order within the token budget and memory (each
-        admitted request's match locked, the slots for its gap allocated); who it admitted."""
-        waiting, running = self._waiting, self._running
+    def _admit(self) -> tuple[list[RequestHandle], list[int]]:
+        """Step 2: the requests to prefill this step and how many prompt tokens of each.
+
+        First the rest of the prompts a chunked prefill has begun, then new requests in the
+        scheduler's order within the token budget and memory (each one's match locked, the
+        slots for its gap allocated). Without ``chunked_prefill`` a prompt that would
+        overflow the budget waits whole; with it, it is cut to what is left.
+        """
+        waiting, held = self._waiting, self._prefilling + self._running
         self._schedule(waiting)
-        budget, admitted, deferred = self.token_budget, [], []
-        while waiting:
+        budget, plan, chunks, deferred = self.token_budget, [], [], []
+        for job in self._prefilling:  # a chunked prompt goes on before anything newer
+            if budget <= 0:
+                return plan, chunks
+            plan.append(job)
+            chunks.append(min(budget, job.lc.prompt.numel() - job.lc.kv_len))
+            budget -= chunks[-1]
+        admitted: list[RequestHandle] = []
+        while waiting and budget > 0:
             job = waiting[0]
             match = self._match(job)
             if self._defers(job, match, admitted):
                 deferred.append(waiting.popleft())
                 continue
-            if self._reuses(job, match, admitted):
+            if self._reuses(job, match, self._prefilling + admitted):
                 break  # it shares a prompt this batch computes: next step, from the tree
             uncached = job.lc.prompt.numel() - match.cached_len
-            if admitted and uncached > budget:
+            if plan and uncached > budget and not self.chunked_prefill:
                 break  # the head waits for the next step; nobody overtakes it
-            if not self._fits(job, match, running + admitted):
-                if not running + admitted:  # pragma: no cover - validate() prevents it
+            if not self._fits(job, match, held + admitted):
+                if not held + admitted:  # pragma: no cover - validate() prevents it
                     raise RequestError(f"{job.rid} cannot fit in an idle pool")
                 break
             waiting.popleft()
-            budget = budget - uncached
             admitted.append(job)
             self._load_back(job, match)
             self.lifecycle.admit(job.lc)  # lock + allocate the gap (evicting if short)
-            if budget <= 0:
-                break
+            uncached = job.lc.prompt.numel() - job.lc.kv_len  # after any load-back
+            chunk = min(uncached, budget) if self.chunked_prefill else uncached
+            plan.append(job)
+            chunks.append(chunk)
+            budget -= chunk
+            if chunk < uncached:
+                self._prefilling.append(job)
+                job.status = "prefilling"
         waiting.extendleft(reversed(deferred))
-        return admitted
+        return plan, chunks
 
     def _reuses(self, job: RequestHandle, match: MatchResult,
                 admitted: Sequence[RequestHandle]) -> bool:
@@ -750,12 +782,12 @@ class Engine:
         return False
 
     def _started(self, jobs: list[RequestHandle], out: StepOutput,
-                 on_token: TokenCallback | None, seconds: float) -> None:
-        """Step 3, after the pass that prefilled ``jobs`` (in ``seconds``): their first
-        tokens, then their prompts go into the tree and they run."""
+                 on_token: TokenCallback | None) -> None:
+        """Step 3, after the pass that completed ``jobs``' prompts: their first tokens, then
+        their prompts go into the tree and they run."""
         now = time.perf_counter()
         for job in jobs:
-            job.prefill_time, job.ttft = seconds, now - job.arrival
+            job.ttft = now - job.arrival
             if self.use_cache:
                 handle = self.lifecycle.insert_running(job.lc)
                 if isinstance(self.cache, RadixCache):

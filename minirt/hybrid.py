@@ -828,18 +828,19 @@ class WindowLifecycle(Lifecycle):
             for p in dead:
                 table[p] = NO_SLOT
 
-    def prefill_batch(self, reqs: Sequence[Request],
-                      all_logits: bool = False) -> list[torch.Tensor]:
-        """Prefill several requests in one ``forward_windowed`` (last logits only), then
-        free what left each one's window."""
+    def prefill_batch(self, reqs: Sequence[Request], all_logits: bool = False,
+                      chunks: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Prefill several requests (``chunks`` of their prompts, as the base class's) in
+        one ``forward_windowed`` (last logits only), then free what left each one's window."""
         if all_logits:
             raise RequestError("the window lifecycle returns last-position logits only")
-        reqs = self._prefill_ready(reqs)
-        logits = forward_windowed(self.model, self.layers, [self._tables(r) for r in reqs],
-                                  [r.prompt[r.kv_len:] for r in reqs])
-        for req, lg, token in zip(reqs, logits, _greedy_picks(reqs, logits), strict=True):
-            req.kv_len = req.prompt.numel()
-            req.output.append(req.next_token(lg) if token is None else token)
+        reqs, ends = self._prefill_ready(reqs, chunks)
+        logits = forward_windowed(self.model, self.layers,
+                                  [[t[:e] for t in self._tables(r)]
+                                   for r, e in zip(reqs, ends, strict=True)],
+                                  [r.prompt[r.kv_len:e] for r, e in zip(reqs, ends, strict=True)])
+        self._prefilled(reqs, logits, ends)
+        for req in reqs:
             self._left_window(req)
         return logits
 

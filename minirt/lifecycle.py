@@ -82,6 +82,8 @@ class Request:
     (protected by ``handle``), the rest are the request's own ``private`` slots, in order
     (``private`` may end with unused slots of its last page). ``kv_len`` positions have
     K/V in the pool; the last output token's K/V is written by the next decode step.
+    A prompt prefilled in chunks has ``kv_len`` between ``cached_len`` and its length,
+    and no output until its last chunk.
     """
 
     rid: str
@@ -290,24 +292,46 @@ class Lifecycle:
         req.page_table, req.private, req.state = PageTable(), _EMPTY, "waiting"
 
     # ------------------------------------------------------------ step 5-6: model
-    def prefill(self, req: Request, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, req: Request, all_logits: bool = False,
+                chunk: int | None = None) -> torch.Tensor:
         """Run the uncached prompt tokens through the model, writing their K/V into the pool.
 
         Appends the next token (``req.next_token``) to ``req.output``; returns the last position's
-        logits (or every new position's with ``all_logits=True``).
+        logits (or every new position's with ``all_logits=True``). ``chunk``: prefill only the
+        next ``chunk`` prompt tokens (chunked prefill); the token comes with the last chunk.
         """
-        return self.prefill_batch([req], all_logits)[0]
+        return self.prefill_batch([req], all_logits, None if chunk is None else [chunk])[0]
 
-    def _prefill_ready(self, reqs: Sequence[Request]) -> list[Request]:
-        """``reqs`` as a list; RequestError unless each is running, not yet prefilled, once."""
+    def _prefill_ready(self, reqs: Sequence[Request],
+                       chunks: Sequence[int] | None = None) -> tuple[list[Request], list[int]]:
+        """``reqs`` as a list and the prompt length each has K/V for after this prefill;
+        RequestError unless each is running, not yet fully prefilled, once, and its chunk
+        (default: the rest of its prompt) is a positive int no longer than what is left."""
         reqs = list(reqs)
         for req in reqs:
             self._require(req, "running")
-            if req.kv_len != req.cached_len or req.output:
+            if req.output:
                 raise RequestError(f"{req.rid} was already prefilled")
         if len({r.rid for r in reqs}) != len(reqs):
             raise RequestError("a request appears twice in one prefill batch")
-        return reqs
+        left = [r.prompt.numel() - r.kv_len for r in reqs]
+        if chunks is None:
+            return reqs, [r.prompt.numel() for r in reqs]
+        chunks = list(chunks)
+        if len(chunks) != len(reqs):
+            raise RequestError(f"{len(chunks)} chunk sizes for {len(reqs)} requests")
+        for r, c, n in zip(reqs, chunks, left, strict=True):
+            if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= n:
+                raise RequestError(f"{r.rid}: a chunk must be an int from 1 to the {n} prompt "
+                                   f"tokens left, got {c!r}")
+        return reqs, [r.kv_len + c for r, c in zip(reqs, chunks, strict=True)]
+
+    @staticmethod
+    def _chunk_table(req: Request, end: int) -> PageTable:
+        """``req``'s page table up to position ``end``: what a prefill chunk ending there
+        reads (its cached length is the table's length less the chunk's tokens)."""
+        return req.page_table if end == len(req.page_table) else PageTable(
+            req.page_table.slots[:end])
 
     def _decode_ready(self, reqs: Sequence[Request]) -> list[Request]:
         """``reqs`` as a list; RequestError unless each is prefilled, not done, once."""
@@ -322,22 +346,28 @@ class Lifecycle:
             raise RequestError("a request appears twice in one decode batch")
         return reqs
 
-    def prefill_batch(self, reqs: Sequence[Request],
-                      all_logits: bool = False) -> list[torch.Tensor]:
+    def prefill_batch(self, reqs: Sequence[Request], all_logits: bool = False,
+                      chunks: Sequence[int] | None = None) -> list[torch.Tensor]:
         """``prefill`` for several requests in one forward pass: a ragged batch, each with its
-        own cached length and new tokens, each reading its own cached prefix from the pool."""
-        reqs = self._prefill_ready(reqs)
-        logits = forward_paged(self.model, self.pool, [r.page_table for r in reqs],
-                               [r.prompt[r.kv_len:] for r in reqs], last_only=not all_logits,
-                               share_runs=self.share_runs, deterministic=self.deterministic)
-        self._prefilled(reqs, [lg if lg.dim() == 1 else lg[-1] for lg in logits])
+        own cached length and new tokens, each reading its own cached prefix from the pool.
+        ``chunks``: how many of each one's remaining prompt tokens (default: all)."""
+        reqs, ends = self._prefill_ready(reqs, chunks)
+        logits = forward_paged(self.model, self.pool,
+                               [self._chunk_table(r, e) for r, e in zip(reqs, ends, strict=True)],
+                               [r.prompt[r.kv_len:e] for r, e in zip(reqs, ends, strict=True)],
+                               last_only=not all_logits, share_runs=self.share_runs,
+                               deterministic=self.deterministic)
+        self._prefilled(reqs, [lg if lg.dim() == 1 else lg[-1] for lg in logits], ends)
         return logits
 
-    def _prefilled(self, reqs: Sequence[Request], logits: Sequence[torch.Tensor]) -> None:
-        """After their prefill: the whole prompt has K/V; each request's first token."""
-        for req, lg in zip(reqs, logits, strict=True):
-            req.kv_len = req.prompt.numel()
-            req.output.append(req.next_token(lg))
+    def _prefilled(self, reqs: Sequence[Request], logits: Sequence[torch.Tensor],
+                   ends: Sequence[int]) -> None:
+        """After their prefill: K/V up to each one's ``end``; the first token of each whose
+        prompt is now complete."""
+        for req, lg, end in zip(reqs, logits, ends, strict=True):
+            req.kv_len = end
+            if end == req.prompt.numel():
+                req.output.append(req.next_token(lg))
 
     def _slot_for_next(self, req: Request) -> torch.Tensor | None:
         """A slot for position ``kv_len``: the next unused private one, or a new page."""
@@ -384,26 +414,33 @@ class Lifecycle:
             r.kv_len += 1
             r.output.append(r.next_token(lg) if token is None else token)
 
-    def step(self, prefill: Sequence[Request],
-             decode: Sequence[Request]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Prefill ``prefill`` and run one decode step for ``decode`` (other requests): a
-        *mixed* step, one forward pass for both on a Llama (``forward_mixed``: every weight
-        read once), else ``prefill_batch`` then ``decode``. Returns both's logits.
+    def step(self, prefill: Sequence[Request], decode: Sequence[Request],
+             chunks: Sequence[int] | None = None,
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Prefill ``prefill`` (``chunks`` of their prompts, as ``prefill_batch``) and run one
+        decode step for ``decode`` (other requests): a *mixed* step, one forward pass for
+        both on a Llama (``forward_mixed``: every weight read once), else ``prefill_batch``
+        then ``decode``. Returns both's logits.
 
-        A request prefilled here gets its first token and decodes from the next step on.
-        RequestError or OutOfMemoryError before anything changes, as the two calls raise.
+        A request whose prompt completes here gets its first token and decodes from the
+        next step on. RequestError or OutOfMemoryError before anything changes, as the two
+        calls raise.
         """
         if not (prefill and decode and self.mixes and is_llama(self.model)):
-            return (self.prefill_batch(prefill) if prefill else [],
+            if prefill and decode:  # both checked before either runs
+                self._prefill_ready(prefill, chunks)
+                self._decode_ready(decode)
+            return (self.prefill_batch(prefill, chunks=chunks) if prefill else [],
                     self.decode(decode) if decode else [])
-        prefill, decode = self._prefill_ready(prefill), self._decode_ready(decode)
+        (prefill, ends), decode = self._prefill_ready(prefill, chunks), self._decode_ready(decode)
         self._take_decode_slots(decode)
         p_logits, d_logits = forward_mixed(
-            self.model, self.pool, [r.page_table for r in prefill],
-            [r.prompt[r.kv_len:] for r in prefill], self.working,
+            self.model, self.pool,
+            [self._chunk_table(r, e) for r, e in zip(prefill, ends, strict=True)],
+            [r.prompt[r.kv_len:e] for r, e in zip(prefill, ends, strict=True)], self.working,
             [r.page_table for r in decode], [torch.tensor([r.output[-1]]) for r in decode],
             self.share_runs, self.deterministic)
-        self._prefilled(prefill, p_logits)
+        self._prefilled(prefill, p_logits, ends)
         self._decoded(decode, d_logits)
         return p_logits, d_logits
 
@@ -445,7 +482,7 @@ class Lifecycle:
         goes straight back to the free list.
         """
         self._require(req, "running")
-        if req.kv_len == req.cached_len and not req.output:
+        if not req.output:
             raise RequestError(f"{req.rid} was never prefilled; use abort() to drop it")
         _, aligned = self._insert(req)
         self.cache.unlock(req.handle)

@@ -2,7 +2,7 @@
 
     python -m minirt.serve [--port 8000] [--host 127.0.0.1] [--model NAME]
                            [--capacity 8192] [--page-size 1] [--token-budget 2048]
-                           [--step-log FILE]
+                           [--no-chunked-prefill] [--step-log FILE]
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``
 (with and without ``stream``), ``GET /metrics`` (Prometheus text: prefix-cache hit and
@@ -13,6 +13,14 @@ SGLang's router asks a replica). Requests take ``max_tokens``, ``temperature``,
 fields are ignored (a router adds its own); known OpenAI fields whose effect minirt
 does not implement (``n`` > 1, ``logprobs``, ``top_p`` < 1, penalties, tools, ...) get
 HTTP 400 instead of being silently dropped.
+
+The engine runs with chunked prefill (``Engine(chunked_prefill=True)``), as vLLM's does by
+default for a model that supports it (vllm 0.32.0 `engine/arg_utils.py:
+EngineArgs._set_default_chunked_prefill_and_prefix_caching_args`): a step's
+``--token-budget`` of prompt tokens is filled by cutting the prompt that would overflow it.
+vLLM's budget (``max_num_batched_tokens``, 2,048 for its CPU server: vllm 0.32.0
+`engine/arg_utils.py: EngineArgs.get_batch_defaults`) counts the running requests' decode
+tokens too; minirt's counts prompt tokens only.
 
 One thread owns the ``Engine`` and runs ``step()`` while any request is pending; HTTP
 handlers, on the event loop's thread, hand it requests and cancellations through a
@@ -756,8 +764,8 @@ async def _sse(worker: EngineWorker, stream: Stream, endpoint: str, ident: str,
 
 def make_worker(model: str | None = None, capacity: int = 8192, page_size: int = 1,
                 token_budget: int = 2048, policy: str = "lru", device: str | None = None,
-                deterministic: bool = False,
-                step_log: str | None = None) -> tuple[EngineWorker, str, str]:
+                deterministic: bool = False, step_log: str | None = None,
+                chunked_prefill: bool = True) -> tuple[EngineWorker, str, str]:
     """Load the model (float32 on CPU) and make its worker, not started: (worker, name,
     path)."""
     import torch
@@ -768,7 +776,8 @@ def make_worker(model: str | None = None, capacity: int = 8192, page_size: int =
     path = str(m.name_or_path)
     name = str(model or os.environ.get("MINIRT_MODEL") or DEFAULT_MODEL)
     engine = Engine(m, tok, capacity=capacity, page_size=page_size, token_budget=token_budget,
-                    policy=policy, deterministic=deterministic)
+                    policy=policy, deterministic=deterministic,
+                    chunked_prefill=chunked_prefill)
     return EngineWorker(engine, step_log), name, path
 
 
@@ -788,6 +797,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--token-budget", type=int, default=2048,
                    help="uncached prompt tokens prefilled per step")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="cut the prompt that would overflow the budget to fill it, the rest "
+                        "in the next steps (default on; --no-chunked-prefill admits whole "
+                        "prompts only)")
     p.add_argument("--policy", default="lru", help="eviction policy")
     p.add_argument("--device", default=None)
     p.add_argument("--log-level", default="warning")
@@ -807,7 +820,7 @@ def main(argv: list[str] | None = None) -> None:
 
     worker, name, path = make_worker(args.model, args.capacity, args.page_size,
                                      args.token_budget, args.policy, args.device,
-                                     args.deterministic, args.step_log)
+                                     args.deterministic, args.step_log, args.chunked_prefill)
     name = args.served_model_name or name
     app = build_app(worker, name, path, args.server_id, args.max_body_bytes)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -55,26 +55,85 @@ def workloads(draw):
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_cache_on_equals_cache_off_equals_greedy(model, workload):
-    """Any workload, any pool size (evictions included), any page size: identical tokens."""
+    """Any workload, any pool size (evictions included), any page size, whole prompts or
+    chunked prefill: identical tokens."""
     prompts, max_new, page_size, capacity, budget = workload
     batch = [Request(prompt=p, max_new_tokens=m, stop_on_eos=False)
              for p, m in zip(prompts, max_new, strict=True)]
     outs = {}
-    for use_cache in (True, False):
+    for use_cache, chunked in ((True, False), (False, False), (True, True)):
         engine = Engine(model, capacity=capacity, page_size=page_size, use_cache=use_cache,
-                        token_budget=budget, check=True)  # integrity after every step
+                        token_budget=budget, check=True,  # integrity after every step
+                        chunked_prefill=chunked)
         # Two rounds: the second meets a cache the first left behind (and may evict it).
-        outs[use_cache] = [engine.generate(batch, progress=False) for _ in range(2)]
+        outs[use_cache, chunked] = [engine.generate(batch, progress=False) for _ in range(2)]
         engine.lifecycle.check_integrity()
         assert engine.pool.num_free + engine.cache.evictable_size == capacity  # nothing held
-    on, off = outs[True], outs[False]
+    on, off, chunks = outs[True, False], outs[False, False], outs[True, True]
     for r_on, r_off in zip(on, off, strict=True):
         assert r_on.outputs == r_off.outputs
         assert r_off.totals.cached_tokens == 0
     expected = [greedy_reference(model, p, m) for p, m in zip(prompts, max_new, strict=True)]
     assert on[0].outputs == expected == on[1].outputs
-    for t in (on[0].totals, on[1].totals):
+    assert chunks[0].outputs == expected == chunks[1].outputs
+    for t in (on[0].totals, on[1].totals, chunks[0].totals, chunks[1].totals):
         assert t.cached_tokens + t.computed_tokens == t.prompt_tokens == sum(map(len, prompts))
+
+
+def _spy_chunks(engine):
+    """Record the prompt tokens each step prefills, per request: [{rid: tokens}, ...]."""
+    seen, step = [], engine.lifecycle.step
+
+    def spy(prefill, decode, chunks=None):
+        seen.append({r.rid: c for r, c in zip(prefill, chunks, strict=True)})
+        return step(prefill, decode, chunks)
+
+    engine.lifecycle.step = spy
+    return seen
+
+
+def test_chunked_prefill_fills_the_budget_and_goes_on_first(model):
+    """Budget 8, prompts of 5, 6 and 20 tokens: whole prompts take 5, 6, 20 tokens in three
+    steps; chunked prefill fills every step with 8 (5 + 3, then 3 + 5, ...), a part-way
+    prompt going on before anything newer, its first token with its last chunk."""
+    prompts = [list(range(1, 6)), list(range(10, 16)), list(range(20, 40))]
+    expected = [greedy_reference(model, p, 3) for p in prompts]
+    whole = Engine(model, capacity=128, token_budget=8, check=True)
+    seen_whole = _spy_chunks(whole)
+    assert whole.generate(reqs(prompts), progress=False).outputs == expected
+    assert [s for s in seen_whole if s] == [{"q1": 5}, {"q2": 6}, {"q3": 20}]
+
+    engine = Engine(model, capacity=128, token_budget=8, check=True, chunked_prefill=True)
+    seen = _spy_chunks(engine)
+    handles = [engine.submit(r) for r in reqs(prompts)]
+    out = engine.step()
+    assert [h.status for h in handles] == ["running", "prefilling", "waiting"]
+    assert [h.rid for h in out.admitted] == ["q1"] and engine.running == [handles[1],
+                                                                            handles[0]]
+    assert handles[1].output_ids == [] and handles[1].lc.kv_len == 3
+    while engine.has_work:
+        engine.step()
+    assert [h.result.output_ids for h in handles] == expected
+    assert [s for s in seen if s] == [{"q1": 5, "q2": 3}, {"q2": 3, "q3": 5}, {"q3": 8},
+                                      {"q3": 7}]
+    assert handles[2].result.metrics.prefill_time > 0
+    with pytest.raises(RequestError, match="chunked_prefill must be True or False"):
+        Engine(model, chunked_prefill=1)
+
+
+def test_cancelling_a_part_way_prompt_frees_it_and_leaves_the_others_alone(model):
+    prompts = [list(range(1, 30)), list(range(40, 46))]
+    engine = Engine(model, capacity=64, token_budget=10, check=True, chunked_prefill=True)
+    long, short = (engine.submit(r) for r in reqs(prompts, n=4))
+    engine.step()
+    assert long.status == "prefilling" and engine.pool.num_used == 29
+    assert engine.cancel(long) and long.status == "cancelled"
+    assert long.result.metrics is None and long.result.finish_reason == "cancelled"
+    assert engine.pool.num_used == 0 and engine.cache.total_size == 0
+    while engine.has_work:
+        engine.step()
+    assert short.result.output_ids == greedy_reference(model, prompts[1], 4)
+    assert engine.pool.num_free + engine.cache.evictable_size == 64
 
 
 def test_large_pool_computes_the_unique_bound(model):
@@ -313,8 +372,9 @@ def test_interrupted_generate_gives_everything_back(model):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_deterministic_engine_gives_the_same_tokens_cached_or_not_batched_or_alone(page_size):
     """``Engine(deterministic=True)`` in bf16: 16 requests behind one 40-token prefix give the
-    same greedy tokens with and without the cache, 16 in a batch or one at a time (chunks
-    of 16 keys, so the prefix spans chunks)."""
+    same greedy tokens with and without the cache, 16 in a batch or one at a time, whole or
+    prefilled 7 tokens a step (chunked prefill; chunks of 16 keys, so the prefix spans
+    chunks)."""
     from unittest import mock
 
     import minirt.forward as forward
@@ -328,17 +388,18 @@ def test_deterministic_engine_gives_the_same_tokens_cached_or_not_batched_or_alo
                for i in range(16)]
     runs = {}
     with mock.patch.object(forward, "CHUNK", 16):
-        for use_cache in (True, False):
+        for use_cache, budget in ((True, 2048), (False, 2048), (True, 7)):
             for batch in (16, 4, 1):
                 engine = Engine(m, capacity=1024, page_size=page_size, use_cache=use_cache,
-                                deterministic=True, check=True)
+                                deterministic=True, check=True, token_budget=budget,
+                                chunked_prefill=budget == 7)
                 out = []
                 for i in range(0, 16, batch):
                     out += [r.output_ids for r in engine.generate(reqs(prompts[i:i + batch], 6),
                                                                    progress=False)]
-                runs[use_cache, batch] = out
+                runs[use_cache, budget, batch] = out
                 if use_cache and batch == 16:
                     assert sum(r.metrics.cached_tokens for r in
                                engine.generate(reqs(prompts, 1), progress=False)) > 0
-    first = runs[False, 1]
+    first = runs[False, 2048, 1]
     assert all(out == first for out in runs.values())

@@ -270,17 +270,19 @@ engine_waves = st.lists(
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(engine_waves, st.sampled_from([2, 3, 5]), st.integers(30, 80), st.integers(4, 32))
-def test_engine_greedy_equals_uncached_hypothesis(waves, window, capacity, budget):
+@given(engine_waves, st.sampled_from([2, 3, 5]), st.integers(30, 80), st.integers(4, 32),
+       st.booleans())
+def test_engine_greedy_equals_uncached_hypothesis(waves, window, capacity, budget, chunked):
     """Random prompts on shared stems, submitted in waves while others run, small pools
-    (evictions), any token budget: every output equals transformers' uncached greedy,
-    and the integrity check (both kinds of K/V) holds after every step."""
+    (evictions), any token budget, whole prompts or chunked prefill: every output equals
+    transformers' uncached greedy, and the integrity check (both kinds of K/V) holds after
+    every step."""
     from minirt.engine import Engine
 
     model = windowed(window=window)
     stems = [STEM[: 2 * k] for k in range(4)]
     engine = Engine(model, capacity=capacity, window_capacity=capacity // 2 + 8,
-                    token_budget=budget, check=True)
+                    token_budget=budget, check=True, chunked_prefill=chunked)
     handles = []
     for wave in waves:
         prompts = [stems[s] + tail for s, tail in wave]
@@ -290,3 +292,18 @@ def test_engine_greedy_equals_uncached_hypothesis(waves, window, capacity, budge
         engine.step()
     for h, p in handles:
         assert h.result.output_ids == greedy_uncached(model, p, 3)
+
+
+def test_engine_window_prefills_in_chunks_equal_to_uncached():
+    """Prompts longer than the window, cut into chunks of 4 tokens: each chunk reads the
+    window the one before left, and the outputs equal transformers' uncached greedy."""
+    from minirt.engine import Engine
+
+    model = windowed(window=3)
+    prompts = [STEM + STEM[::-1], STEM + [5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    engine = Engine(model, capacity=200, token_budget=4, check=True, chunked_prefill=True)
+    first = engine.generate(_requests(prompts), progress=False)
+    second = engine.generate(_requests(prompts), progress=False)
+    ref = [greedy_uncached(model, p, 4) for p in prompts]
+    assert first.outputs == ref and second.outputs == ref
+    assert second.totals.cached_tokens > 0

@@ -508,3 +508,59 @@ LifecycleMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_lifecycle_state_machine = LifecycleMachine.TestCase
+
+
+def test_a_prompt_prefilled_in_chunks_is_the_prompt_prefilled_at_once(model):
+    """Chunks of 3, 2 and the rest, behind a cached prefix and beside a decode: the same
+    last-position logits and first token as one prefill, no token before the last chunk,
+    and each chunk's K/V written where the whole prefill writes them."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    whole, parts = make(model, capacity=64), make(model, capacity=64)
+    for lc in (whole, parts):
+        lc.run(lc.new_request(prompt[:4] + [99], 1, rid="warm"))  # caches prompt[:4]
+        other = lc.new_request([3, 1, 4], 3, rid="o")
+        lc.admit(other)
+        lc.prefill(other)
+    r = whole.new_request(prompt, 2, rid="r")
+    whole.admit(r)
+    ref = whole.prefill(r)
+    c = parts.new_request(prompt, 2, rid="r")
+    parts.admit(c)
+    assert c.cached_len == 4
+    parts.prefill(c, chunk=3)
+    assert (c.kv_len, c.output) == (7, [])
+    parts.step([c], [parts.requests["o"]], chunks=[2])  # a mixed step cuts too
+    assert (c.kv_len, c.output) == (9, [])
+    got = parts.prefill(c)  # the rest (one token)
+    assert c.kv_len == len(prompt) and c.output == r.output
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for layer in range(whole.pool.num_layers):
+        torch.testing.assert_close(parts.pool.k[layer][c.page_table.slots[4:]],
+                                   whole.pool.k[layer][r.page_table.slots[4:]],
+                                   rtol=1e-5, atol=1e-5)
+    parts.insert_running(c)
+    parts.decode([c])
+    parts.check_integrity()
+
+
+def test_a_bad_chunk_changes_nothing_and_a_part_way_request_aborts_cleanly(model):
+    lc = make(model, capacity=32)
+    r = lc.new_request(list(range(1, 9)), 2, rid="r")
+    lc.admit(r)
+    before = state_snapshot(lc)
+    for bad in (0, 9, -1, True, 2.0):
+        with pytest.raises(RequestError, match="chunk"):
+            lc.prefill(r, chunk=bad)
+    with pytest.raises(RequestError, match="2 chunk sizes for 1"):
+        lc.prefill_batch([r], chunks=[1, 2])
+    assert state_snapshot(lc) == before
+    lc.prefill(r, chunk=5)
+    with pytest.raises(RequestError, match="must be prefilled"):
+        lc.decode([r])
+    with pytest.raises(RequestError, match="never prefilled"):
+        lc.finish(r)
+    with pytest.raises(RequestError, match="from 1 to the 3"):
+        lc.prefill(r, chunk=4)
+    lc.check_integrity()
+    lc.abort(r)
+    assert lc.pool.num_free == 32 and lc.cache.total_size == 0
