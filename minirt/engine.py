@@ -333,11 +333,13 @@ class RequestHandle:
 @dataclass
 class StepOutput:
     """What one ``Engine.step`` did: the tokens it produced, in order, as (rid, token),
-    the requests whose prompts it completed (admitted, prefilled, each given its first
-    token; a chunked prompt counts at its last part), the requests that finished, and the
-    seconds it spent admitting and in its forward pass (``minirt.serve --step-log``)."""
+    the prompt tokens it prefilled, as (rid, how many), the requests whose prompts it
+    completed (admitted, prefilled, each given its first token; a chunked prompt counts at
+    its last part), the requests that finished, and the seconds it spent admitting and in
+    its forward pass (``minirt.serve --step-log``)."""
 
     tokens: list[tuple[str, int]] = field(default_factory=list)
+    prefilled: list[tuple[str, int]] = field(default_factory=list)
     admitted: list[RequestHandle] = field(default_factory=list)
     finished: list[RequestHandle] = field(default_factory=list)
     admit_s: float = 0.0
@@ -556,8 +558,9 @@ class Engine:
             start = time.perf_counter()
             self.lifecycle.step([j.lc for j in plan], [j.lc for j in running], chunks)
             seconds = time.perf_counter() - start
-            for job in plan:
+            for job, chunk in zip(plan, chunks, strict=True):
                 job.prefill_time += seconds
+                out.prefilled.append((job.rid, chunk))
             self._prefilling = [j for j in self._prefilling if not j.lc.output]
             self._started([j for j in plan if j.lc.output], out, on_token)
             for job in running:
@@ -895,7 +898,8 @@ class Engine:
         return (f"Engine(cache={type(self.cache).__name__}, capacity={self.pool.capacity}, "
                 f"page_size={self.pool.page_size}, "
                 f"policy={policy.name if policy else 'free queue'}, use_cache={self.use_cache}, "
-                f"token_budget={self.token_budget}, schedule={self.scheduler.policy!r}, "
+                f"token_budget={self.token_budget}, chunked_prefill={self.chunked_prefill}, "
+                f"schedule={self.scheduler.policy!r}, "
                 f"cached={self.cache.total_size})")
 
 

@@ -379,6 +379,7 @@ class EngineWorker:
                         "step_s": round(time.perf_counter() - start, 6),
                         "admit_s": round(out.admit_s, 6), "forward_s": round(out.forward_s, 6),
                         "running": running, "admitted": len(out.admitted),
+                        "prefill_tokens": sum(n for _, n in out.prefilled),
                         "finished": len(out.finished), "tokens": out.num_tokens}) + "\n")
                 for handle in out.admitted:
                     self.counters["prompt_tokens"] += int(handle.lc.prompt.numel())

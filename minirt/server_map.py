@@ -164,7 +164,8 @@ MAP: list[MapRow] = [
          "prefill batch)",
          "vllm 0.32.0 `v1/core/sched/scheduler.py: Scheduler.schedule` (token budget)",
          "--max-prefill-tokens, --chunked-prefill-size / --max-num-batched-tokens",
-         "chunked prefill: a long prompt is split over several steps beside decodes"),
+         "a cut prompt's chunks allocated (vLLM) or cached in the tree (SGLang) one at a "
+         "time"),
         ("serve.build_app", "sglang 0.5.23 `srt/entrypoints/http_server.py` (/generate, "
          "/v1/chat/completions)",
          "vllm 0.32.0 `entrypoints/openai/api_server.py`", "--host, --port (both)",
@@ -358,8 +359,6 @@ MAP: list[MapRow] = [
 
 # What the real engines do that minirt does not: (feature, SGLang flag, vLLM flag).
 BEYOND: list[tuple[str, str, str]] = [
-    ("chunked prefill", "--chunked-prefill-size", "--enable-chunked-prefill, "
-     "--max-num-batched-tokens"),
     ("overlap scheduling", "--disable-overlap-schedule", "--async-scheduling"),
     ("CUDA graphs for decode", "--cuda-graph-max-bs-decode, --disable-decode-cuda-graph",
      "--enforce-eager, compilation_config.cudagraph_mode"),

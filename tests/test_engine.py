@@ -80,42 +80,30 @@ def test_cache_on_equals_cache_off_equals_greedy(model, workload):
         assert t.cached_tokens + t.computed_tokens == t.prompt_tokens == sum(map(len, prompts))
 
 
-def _spy_chunks(engine):
-    """Record the prompt tokens each step prefills, per request: [{rid: tokens}, ...]."""
-    seen, step = [], engine.lifecycle.step
-
-    def spy(prefill, decode, chunks=None):
-        seen.append({r.rid: c for r, c in zip(prefill, chunks, strict=True)})
-        return step(prefill, decode, chunks)
-
-    engine.lifecycle.step = spy
-    return seen
-
-
 def test_chunked_prefill_fills_the_budget_and_goes_on_first(model):
     """Budget 8, prompts of 5, 6 and 20 tokens: whole prompts take 5, 6, 20 tokens in three
     steps; chunked prefill fills every step with 8 (5 + 3, then 3 + 5, ...), a part-way
     prompt going on before anything newer, its first token with its last chunk."""
     prompts = [list(range(1, 6)), list(range(10, 16)), list(range(20, 40))]
     expected = [greedy_reference(model, p, 3) for p in prompts]
-    whole = Engine(model, capacity=128, token_budget=8, check=True)
-    seen_whole = _spy_chunks(whole)
-    assert whole.generate(reqs(prompts), progress=False).outputs == expected
-    assert [s for s in seen_whole if s] == [{"q1": 5}, {"q2": 6}, {"q3": 20}]
-
-    engine = Engine(model, capacity=128, token_budget=8, check=True, chunked_prefill=True)
-    seen = _spy_chunks(engine)
-    handles = [engine.submit(r) for r in reqs(prompts)]
-    out = engine.step()
-    assert [h.status for h in handles] == ["running", "prefilling", "waiting"]
-    assert [h.rid for h in out.admitted] == ["q1"] and engine.running == [handles[1],
-                                                                            handles[0]]
-    assert handles[1].output_ids == [] and handles[1].lc.kv_len == 3
-    while engine.has_work:
-        engine.step()
-    assert [h.result.output_ids for h in handles] == expected
-    assert [s for s in seen if s] == [{"q1": 5, "q2": 3}, {"q2": 3, "q3": 5}, {"q3": 8},
-                                      {"q3": 7}]
+    plans = {}
+    for chunked in (False, True):
+        engine = Engine(model, capacity=128, token_budget=8, check=True,
+                        chunked_prefill=chunked)
+        handles = [engine.submit(r) for r in reqs(prompts)]
+        out = engine.step()
+        plans[chunked] = [out.prefilled]
+        if chunked:
+            assert [h.status for h in handles] == ["running", "prefilling", "waiting"]
+            assert [h.rid for h in out.admitted] == ["q1"]
+            assert engine.running == [handles[1], handles[0]]
+            assert handles[1].output_ids == [] and handles[1].lc.kv_len == 3
+        while engine.has_work:
+            plans[chunked].append(engine.step().prefilled)
+        assert [h.result.output_ids for h in handles] == expected
+    assert [p for p in plans[False] if p] == [[("q1", 5)], [("q2", 6)], [("q3", 20)]]
+    assert [p for p in plans[True] if p] == [[("q1", 5), ("q2", 3)], [("q2", 3), ("q3", 5)],
+                                             [("q3", 8)], [("q3", 7)]]
     assert handles[2].result.metrics.prefill_time > 0
     with pytest.raises(RequestError, match="chunked_prefill must be True or False"):
         Engine(model, chunked_prefill=1)

@@ -388,6 +388,8 @@ def test_the_step_log_accounts_for_every_request_and_token(tiny_server):
     steps = [json.loads(line) for line in
              Path(worker.step_log).read_text().splitlines()[lines_before:]]
     assert sum(s["admitted"] for s in steps) == 2
+    cached = sum(a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+    assert sum(s["prefill_tokens"] for s in steps) == 3 + 3 - cached
     assert sum(s["finished"] for s in steps) == 2
     assert sum(s["tokens"] for s in steps) == 5 + 6
     assert all(s["admit_s"] > 0 and s["forward_s"] > 0 for s in steps)
