@@ -25,8 +25,12 @@
    after the first in one step.
    ``--throughput-only`` runs this part alone.
 3. Servers: vLLM's OpenAI server (``--enable-prompt-tokens-details``) and
-   ``minirt.serve`` (pages of 128 and of 1), each replayed with ``minirt.replay`` on the
-   chat workload with the model's own answers: cached tokens and TTFT.
+   ``minirt.serve`` (pages of 128 and of 1), all three up at once, each replayed with
+   ``minirt.replay`` on the chat workload with the model's own answers, ``--replay-reps``
+   times in turn (a new system prompt and new conversations each time, ``seed`` = the
+   rep, so no rep finds another's prompts cached; the order of the servers rotates):
+   cached tokens per request in the first rep, and the median over reps of each rep's
+   median TTFT and latency, with minirt/vLLM.
 5. Servers under vLLM's own benchmark client (``benchmarks/serve_bench.py``): both
    servers up at once, ``prefix_repetition`` and ``random`` at concurrency 1, 4 and 16,
    alternated runs; duration, output tokens/s, TTFT, TPOT, request latency (E2EL),
@@ -43,6 +47,7 @@ machine are noisy; the load average is printed beside them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -299,15 +304,26 @@ def throughput_table(vllm: list[dict], minirt: list[dict]) -> tuple[str, list[st
     return "\n".join(lines), problems
 
 
-def server_table(reports: dict) -> str:
+def server_table(reports: dict[str, list]) -> str:
+    """Per server: the first rep's tokens and cached tokens per request, then the median
+    over reps of each rep's median TTFT and latency, and minirt/vLLM for both."""
+    def medians(runs: list, what: str) -> float:
+        return median([median([getattr(r, what) for r in run.ok]) for run in runs])
+
+    base = {what: medians(reports["vLLM server"], what) for what in ("ttft", "latency")}
     lines = [f"{'server':<24} {'requests':>8} {'prompt':>7} {'cached':>7} {'hit rate':>8} "
-             f"{'TTFT median s':>13} {'latency median s':>16}  cached per request"]
-    for name, rep in reports.items():
-        ok = rep.ok
-        lines.append(f"{name:<24} {len(ok):>8} {rep.prompt_tokens:>7} {rep.cached_tokens:>7} "
-                     f"{rep.hit_rate:>8.3f} {median([r.ttft for r in ok]):>13.3f} "
-                     f"{median([r.latency for r in ok]):>16.3f}  "
-                     f"{[r.cached_tokens for r in rep.records]}")
+             f"{'TTFT s':>7} {'ratio':>5} {'latency s':>9} {'ratio':>5}  "
+             "cached per request (first rep)"]
+    for name, runs in reports.items():
+        first, ttft, latency = runs[0], medians(runs, "ttft"), medians(runs, "latency")
+        lines.append(f"{name:<24} {len(first.ok):>8} {first.prompt_tokens:>7} "
+                     f"{first.cached_tokens:>7} {first.hit_rate:>8.3f} {ttft:>7.3f} "
+                     f"{ttft / base['ttft']:>5.2f} {latency:>9.3f} "
+                     f"{latency / base['latency']:>5.2f}  "
+                     f"{[r.cached_tokens for r in first.records]}")
+    per_rep = {name: [f"{median([r.ttft for r in run.ok]):.3f}" for run in runs]
+               for name, runs in reports.items()}
+    lines.append(f"median TTFT s of each rep: {per_rep}")
     return "\n".join(lines)
 
 
@@ -320,6 +336,8 @@ def main() -> None:
                    help="only part 4, the 16-request burst")
     p.add_argument("--serve-bench-only", action="store_true",
                    help="only part 5, vllm.benchmarks.serve against both servers")
+    p.add_argument("--replay-reps", type=int, default=3,
+                   help="replays of the chat workload per server in part 3 (medians)")
     p.add_argument("--bench-reps", type=int, default=3,
                    help="runs per cell in part 5 (0: parts 1-4 only)")
     p.add_argument("--vllm-worker", nargs=3, metavar=("SPEC", "OUT", "CACHING"),
@@ -327,6 +345,8 @@ def main() -> None:
     args = p.parse_args()
     if args.bench_reps < 0 or (args.serve_bench_only and args.bench_reps < 1):
         p.error(f"--bench-reps must be at least {1 if args.serve_bench_only else 0}")
+    if args.replay_reps < 1:
+        p.error("--replay-reps must be at least 1")
     if args.vllm_worker:
         spec, out, caching = args.vllm_worker
         vllm_worker(spec, out, caching == "on")
@@ -382,22 +402,28 @@ def main() -> None:
 
     if not args.skip_servers and not args.throughput_only:
         del model
-        reports = {}
         chat_args = {"rate": 0.5, "conversations": 2, "turns": 3, "system_tokens": 500,
                      "max_tokens": args.max_tokens, "ignore_eos": True,
                      "tokenizer": tokenizer}
-        proc, url, _ = start_vllm_server(model_path)
-        try:
-            reports["vLLM server"] = replay(url, "chat", **chat_args)
-        finally:
-            stop_group(proc)
-        for page in (BLOCK, 1):
-            with launch("--page-size", str(page), "--capacity", "16384") as srv:
-                reports[f"minirt.serve, page {page}"] = replay(srv.url, "chat", **chat_args)
+        with contextlib.ExitStack() as servers:
+            proc, url, _ = start_vllm_server(model_path)
+            servers.callback(stop_group, proc)
+            urls = {"vLLM server": url}
+            for page in (BLOCK, 1):
+                srv = servers.enter_context(launch("--page-size", str(page),
+                                                   "--capacity", "16384"))
+                urls[f"minirt.serve, page {page}"] = srv.url
+            reports: dict[str, list] = {name: [] for name in urls}
+            names = list(urls)
+            for r in range(args.replay_reps):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    reports[name].append(replay(urls[name], "chat", seed=r, **chat_args))
         print(f"\n3. Servers, minirt.replay chat (2 conversations x 3 turns, 0.5 conversations/s, "
-              f"the model's own answers; load average now {os.getloadavg()[0]:.1f}):")
+              f"the model's own answers; {args.replay_reps} reps in turn; load average now "
+              f"{os.getloadavg()[0]:.1f}):")
         print(server_table(reports))
-        texts = {name: [r.text for r in rep.records] for name, rep in reports.items()}
+        texts = {name: [[r.text for r in run.records] for run in runs]
+                 for name, runs in reports.items()}
         print("answers identical across servers:", len({json.dumps(t) for t in texts.values()})
               == 1)
     bench_ok = True
