@@ -22,6 +22,11 @@ vLLM's budget (``max_num_batched_tokens``, 2,048 for its CPU server: vllm 0.32.0
 `engine/arg_utils.py: EngineArgs.get_batch_defaults`) counts the running requests' decode
 tokens too; minirt's counts prompt tokens only.
 
+HTTP runs on uvicorn with uvloop's event loop and httptools' parser, the stack vLLM's
+server runs on (it starts its server with ``uvloop.run``: vllm 0.32.0
+`entrypoints/launchers/api_server/entry.py: main`), so that a side-by-side comparison
+times the engines and not two HTTP stacks.
+
 One thread owns the ``Engine`` and runs ``step()`` while any request is pending; HTTP
 handlers, on the event loop's thread, hand it requests and cancellations through a
 queue, and it streams text back as tokens are produced. Prompts are tokenized (chat
@@ -831,8 +836,8 @@ def main(argv: list[str] | None = None) -> None:
     host, port = sock.getsockname()[:2]
     print(f"minirt.serve: {name} listening on http://{host}:{port}/v1 (a teaching server: "
           "no auth, one model)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
-                                           timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, loop="uvloop",
+                                           http="httptools", timeout_graceful_shutdown=2))
 
     def serve_http() -> None:
         try:
