@@ -1,6 +1,6 @@
 """minirt.serve against vLLM's OpenAI server under vLLM's own benchmark client, in one run.
 
-    python benchmarks/serve_bench.py [--reps 3] [--num-prompts 32] [--concurrency 1 4 16]
+    python benchmarks/serve_bench.py [--reps 5] [--num-prompts 32] [--concurrency 1 4 16]
     make peer-vllm                    # section 5 of benchmarks/vs_vllm.py runs this
 
 Both servers run at once on this machine (float32, eager, prefix caching on); the client
@@ -145,7 +145,8 @@ def table(results: list[dict], servers: tuple[str, str]) -> tuple[str, list[str]
     problems = []
     keys = sorted({(r["dataset"], r["concurrency"]) for r in results},
                   key=lambda k: (k[0], k[1]))
-    head = f"{'dataset':<18} {'conc':>4} {'metric':<15} {vllm:>12} {mine:>12} {'ratio':>6}"
+    head = (f"{'dataset':<18} {'conc':>4} {'metric':<15} {vllm:>12} {mine:>12} {'ratio':>6}"
+            "  rep by rep")
     lines = [head]
     for dataset, conc in keys:
         group = {s: [r for r in results if (r["dataset"], r["concurrency"], r["server"])
@@ -153,8 +154,10 @@ def table(results: list[dict], servers: tuple[str, str]) -> tuple[str, list[str]
         for key, label in METRICS:
             a = statistics.median(r[key] for r in group[vllm])
             b = statistics.median(r[key] for r in group[mine])
+            reps = sorted(y[key] / x[key] for x, y in zip(group[vllm], group[mine],
+                                                           strict=True))
             lines.append(f"{dataset:<18} {conc:>4} {label:<15} {a:>12.1f} {b:>12.1f} "
-                         f"{b / a:>6.2f}")
+                         f"{b / a:>6.2f}  {reps[0]:.2f}-{reps[-1]:.2f}")
         for s in servers:
             cached = [int(r["cached_tokens"]) for r in group[s]]
             lines.append(f"{dataset:<18} {conc:>4} {'cached tokens':<15} {s:>12} {cached}")
@@ -240,7 +243,7 @@ def vllm_kv_tokens(model_path: str) -> int:
     return int(VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"]) * 2**30 // per_token // 128 * 128
 
 
-def run(reps: int = 3, num_prompts: int = 32, concurrencies: tuple[int, ...] = (1, 4, 16),
+def run(reps: int = 5, num_prompts: int = 32, concurrencies: tuple[int, ...] = (1, 4, 16),
         datasets: tuple[str, ...] = tuple(DATASETS), minirt_args: tuple[str, ...] = ()) -> bool:
     """Start both servers, run the plan, print the table; True if nothing failed."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -299,7 +302,7 @@ def run(reps: int = 3, num_prompts: int = 32, concurrencies: tuple[int, ...] = (
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))

@@ -38,7 +38,7 @@
    alternated runs; duration, output tokens/s, TTFT, TPOT, request latency (E2EL),
    minirt/vLLM, cached tokens, and the greedy texts compared prompt by prompt (exits 1
    if a request fails, or if they differ other than at a near tie of the plain model's
-   logits). ``--serve-bench-only`` runs this part alone; ``--bench-reps`` (default 3).
+   logits). ``--serve-bench-only`` runs this part alone; ``--bench-reps`` (default 5).
 
 vLLM runs in its own virtual environment (``.venv-vllm``, see the Makefile): its
 transformers pin conflicts with minirt's. This file is also its worker (``--vllm-worker``),
@@ -355,7 +355,7 @@ def main() -> None:
                    help="only part 5, vllm.benchmarks.serve against both servers")
     p.add_argument("--replay-reps", type=int, default=5,
                    help="replays of the chat workload per server in part 3 (medians)")
-    p.add_argument("--bench-reps", type=int, default=3,
+    p.add_argument("--bench-reps", type=int, default=5,
                    help="runs per cell in part 5 (0: parts 1-4 only)")
     p.add_argument("--vllm-worker", nargs=3, metavar=("SPEC", "OUT", "CACHING"),
                    help=argparse.SUPPRESS)
