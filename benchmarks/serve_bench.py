@@ -18,15 +18,18 @@ tokens as vLLM's KV space (``VLLM_CPU_KVCACHE_SPACE`` GiB, in vLLM's blocks of 1
 
 Per dataset and concurrency (medians over ``--reps``): duration, output tokens/s, median
 and P99 TTFT, median TPOT, median end-to-end latency (E2EL: TTFT and decode, the
-request's whole wait), minirt/vLLM for each, and the prompt tokens each server says
-its prefix cache supplied (``/metrics``). Where the two servers' greedy texts differ,
-the plain transformers model (fp32, no cache) decodes the prompt greedily, and the first
+request's whole wait), minirt/vLLM for each, and the prompt tokens each server says its
+prefix cache supplied (``/metrics``). Where the two servers' greedy texts differ, the
+plain transformers model (fp32, no cache) decodes the prompt greedily, and the first
 token at which a server leaves that reference must be one where the reference's two best
 logits lie within ``TIE`` (different fp32 kernels round differently, and a near tie can
-go either way); anywhere else it is a bug, and the script exits 1, as it does if a
-request failed. vLLM's text for a prompt whose own text ends in U+FFFD begins with that
-prompt's text (vllm-project/vllm#48853, open; `random` draws such prompts): the check
-compares what follows it, and says so.
+go either way); anywhere else it is a bug. If it is minirt's, the script exits 1, as it
+does if a request failed; if it is vLLM's, the line says PEER and the run goes on (at
+concurrency 16 vLLM has answered one ``prefix_repetition`` prompt with other tokens than
+it gives that prompt alone, which minirt and the plain model agree on). vLLM's text for
+a prompt whose own text ends in U+FFFD begins with that prompt's text
+(vllm-project/vllm#48853, open; `random` draws such prompts): the check compares what
+follows it, and says so.
 """
 
 from __future__ import annotations
@@ -184,11 +187,13 @@ def differing(results: list[dict], servers: tuple[str, str]) -> list[dict]:
     return out
 
 
-def near_ties(cases: list[dict], model_path: str, output_len: int = OUTPUT_LEN) -> list[str]:
+def near_ties(cases: list[dict], model_path: str, tested: str = "minirt",
+               output_len: int = OUTPUT_LEN) -> list[str]:
     """Check each differing text against the plain model's greedy decode of its prompt:
-    a line per case, prefixed "FAIL" unless every server leaves the reference (if it does)
-    at a step whose two best reference logits lie within ``TIE``. A text that begins with
-    its prompt's own text is compared after it, and said so."""
+    a line per case, prefixed "FAIL" if ``tested`` leaves the reference at a step whose two
+    best reference logits are more than ``TIE`` apart, else "PEER" if another server does
+    (a finding about the peer, reported beside the run), else nothing. A text that begins
+    with its prompt's own text is compared after it, and said so."""
     if not cases:
         return []
     import torch
@@ -208,7 +213,7 @@ def near_ties(cases: list[dict], model_path: str, output_len: int = OUTPUT_LEN) 
                 ref.append(int(top.indices[0]))
                 gaps.append(float(top.values[0] - top.values[1]))
                 ids = top.indices[:1].view(1, 1)
-        parts, ok = [], True
+        parts, verdict = [], ""
         echo = tok.decode(prompt_ids, skip_special_tokens=True)
         for server, text in case["texts"].items():
             name = server
@@ -225,10 +230,11 @@ def near_ties(cases: list[dict], model_path: str, output_len: int = OUTPUT_LEN) 
             if step is None:
                 parts.append(f"{name} = reference")
                 continue
-            ok &= gaps[step] <= TIE
+            if gaps[step] > TIE:
+                verdict = "FAIL " if server == tested else verdict or "PEER "
             parts.append(f"{name} leaves it at token {step}, where the reference's two "
                          f"best logits differ by {gaps[step]:.4f}")
-        lines.append(f"{'' if ok else 'FAIL '}{case['run']}: {'; '.join(parts)}")
+        lines.append(f"{verdict}{case['run']}: {'; '.join(parts)}")
     return lines
 
 
@@ -288,15 +294,20 @@ def run(reps: int = 5, num_prompts: int = 32, concurrencies: tuple[int, ...] = (
     print(f"greedy texts: the same for {total - len(cases)} of {total} prompts" +
           (f"; where they differ, against the plain model's greedy decode (TIE = {TIE}):"
            if cases else ""))
-    for line in near_ties(cases, model_path):
+    lines = near_ties(cases, model_path, tested="minirt")
+    for line in lines:
         print("  " + line)
         if line.startswith("FAIL"):
             problems.append(line)
     if problems:
         print("FAIL:\n  " + "\n  ".join(problems))
         return False
-    print(f"all {len(results) * num_prompts} requests succeeded; both servers gave the same "
-          "greedy tokens for every prompt but at near ties")
+    peer = sum(line.startswith("PEER") for line in lines)
+    print(f"all {len(results) * num_prompts} requests succeeded; minirt gave the plain model's "
+          "greedy tokens for every prompt but at near ties" +
+          (f"; vLLM left them at {peer} prompts where the reference is no near tie (PEER "
+           "above: a finding about vLLM, not a failure of this run)" if peer else
+           ", and so did vLLM"))
     return True
 
 
