@@ -305,8 +305,8 @@ def run(reps: int = 5, num_prompts: int = 32, concurrencies: tuple[int, ...] = (
     peer = sum(line.startswith("PEER") for line in lines)
     print(f"all {len(results) * num_prompts} requests succeeded; minirt gave the plain model's "
           "greedy tokens for every prompt but at near ties" +
-          (f"; vLLM left them at {peer} prompts where the reference is no near tie (PEER "
-           "above: a finding about vLLM, not a failure of this run)" if peer else
+          (f"; vLLM left them at {peer} prompt{'s' * (peer != 1)} where the reference is no near "
+           "tie (PEER above: a finding about vLLM, not a failure of this run)" if peer else
            ", and so did vLLM"))
     return True
 
