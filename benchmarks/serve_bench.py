@@ -187,7 +187,7 @@ def differing(results: list[dict], servers: tuple[str, str]) -> list[dict]:
     return out
 
 
-def near_ties(cases: list[dict], model_path: str, tested: str = "minirt",
+def near_ties(cases: list[dict], model_path: str, tested: str,
                output_len: int = OUTPUT_LEN) -> list[str]:
     """Check each differing text against the plain model's greedy decode of its prompt:
     a line per case, prefixed "FAIL" if ``tested`` leaves the reference at a step whose two

@@ -37,8 +37,9 @@
    servers up at once, ``prefix_repetition`` and ``random`` at concurrency 1, 4 and 16,
    alternated runs; duration, output tokens/s, TTFT, TPOT, request latency (E2EL),
    minirt/vLLM, cached tokens, and the greedy texts compared prompt by prompt (exits 1
-   if a request fails, or if they differ other than at a near tie of the plain model's
-   logits). ``--serve-bench-only`` runs this part alone; ``--bench-reps`` (default 5).
+   if a request fails, or if minirt's text leaves the plain model's greedy decode other
+   than at a near tie of its logits; a vLLM text that does is reported as PEER).
+   ``--serve-bench-only`` runs this part alone; ``--bench-reps`` (default 5).
 
 vLLM runs in its own virtual environment (``.venv-vllm``, see the Makefile): its
 transformers pin conflicts with minirt's. This file is also its worker (``--vllm-worker``),
@@ -326,12 +327,13 @@ def server_table(reports: dict[str, list]) -> str:
 
     vllm = reports["vLLM server"]
     base = {what: pooled(vllm, what) for what in ("ttft", "latency")}
+    ref = by_request(vllm)
     lines = [f"{'server':<24} {'requests':>8} {'prompt':>7} {'cached':>7} {'hit rate':>8} "
              f"{'TTFT s':>7} {'ratio':>5} {'paired':>6} {'latency s':>9} {'ratio':>5}  "
              "cached per request (first rep)"]
     for name, runs in reports.items():
         first, ttft, latency = runs[0], pooled(runs, "ttft"), pooled(runs, "latency")
-        mine, ref = by_request(runs), by_request(vllm)
+        mine = by_request(runs)
         paired = median([mine[k] / ref[k] for k in mine.keys() & ref.keys()])
         lines.append(f"{name:<24} {sum(len(run.ok) for run in runs):>8} "
                      f"{first.prompt_tokens:>7} {first.cached_tokens:>7} "
