@@ -20,14 +20,17 @@ second step is timed:
 Each way runs on its own engine, the engines stepped in turn; the first tokens of all 16
 must agree across the three.
 
-Then the profiler's split of the two prefills ``benchmarks/serve_bench.py`` sends one at a
-time at concurrency 1: a 576-token prompt with nothing cached (``random``) and 64 new
-tokens behind a cached 512-token prefix (``prefix_repetition``). Per prefill: the median
-step time, and the GEMMs', attention's and the rest's time, with the rate the GEMMs and
-attention reach (FLOP counted from the model's shapes), which says which kernel bounds
-a prefill. ``--vllm`` then runs the same prompts through vLLM's offline ``LLM`` (in
-``.venv-vllm``, ``benchmarks/vllm_prefill.py``) and prints both side by side: wall time,
-GEMMs and attention, minirt/vLLM.
+Then the profiler's split of the prefills ``benchmarks/serve_bench.py`` sends: one at a
+time at concurrency 1, a 576-token prompt with nothing cached (``random``) and 64 new
+tokens behind a cached 512-token prefix (``prefix_repetition``); and four 576-token
+prompts at once, what ``random`` sends at concurrency 4 (its requests finish together and
+the next four arrive together), prefilled in two chunked steps of the servers' 2,048-token
+budget. Per prefill: the median time to every first token, and the GEMMs', attention's and
+the rest's time, with the rate the GEMMs and attention reach (FLOP counted from the
+model's shapes), which says which kernel bounds a prefill. ``--vllm`` then runs the same
+prompts through vLLM's offline ``LLM`` (in ``.venv-vllm``, ``benchmarks/vllm_prefill.py``,
+its budget set to its server's 2,048) and prints both side by side: wall time, GEMMs and
+attention, minirt/vLLM.
 
 Timings on a shared machine are noisy: run it on a quiet one; the load average is printed.
 """
@@ -73,38 +76,41 @@ def second_step(engine: Engine, prompts: list[list[int]], direct: bool) -> tuple
     return seconds, [h.output_ids[0] for h in handles]
 
 
-def prefill_flops(model, new: int, cached: int) -> dict[str, float]:
-    """FLOP of one request's prefill of ``new`` tokens behind ``cached``: the GEMMs (every
-    layer's projections for every new token, the output head for the last) and attention
-    (q.k and p.v for every key each new token sees)."""
+def prefill_flops(model, new: int, cached: int, batch: int = 1) -> dict[str, float]:
+    """FLOP of ``batch`` requests' prefill of ``new`` tokens each behind ``cached``: the GEMMs
+    (every layer's projections for every new token, the output head for each request's last)
+    and attention (q.k and p.v for every key each new token sees)."""
     c = model.config
     layer = sum(m.weight.numel() for m in model.model.layers[0].modules()
                 if isinstance(m, torch.nn.Linear))
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     keys_seen = new * cached + new * (new + 1) // 2
-    return {"linear layers (GEMMs)": 2.0 * (new * layer * c.num_hidden_layers
-                                            + model.lm_head.weight.numel()),
-            "attention": 4.0 * c.num_hidden_layers * c.num_attention_heads * head_dim
-            * keys_seen}
+    return {"linear layers (GEMMs)": 2.0 * batch * (new * layer * c.num_hidden_layers
+                                                    + model.lm_head.weight.numel()),
+            "attention": 4.0 * batch * c.num_hidden_layers * c.num_attention_heads
+            * head_dim * keys_seen}
 
 
-def timed_prefill(engine: Engine, prompt: list[int], cached: int) -> float:
-    """Seconds of the step that prefills ``prompt`` (the cache emptied first when nothing
-    should be cached); checks that ``cached`` of its tokens came from the tree."""
+def timed_prefill(engine: Engine, prompts: list[list[int]], cached: int) -> float:
+    """Seconds from submitting ``prompts`` together to every one's first token (the cache
+    emptied first when nothing should be cached); checks that ``cached`` of each one's
+    tokens came from the tree."""
     if not cached:
         engine.flush()
-    engine.submit(Request(prompt=prompt, max_new_tokens=1, stop_on_eos=False))
+    handles = [engine.submit(Request(prompt=p, max_new_tokens=1, stop_on_eos=False))
+               for p in prompts]
     start = time.perf_counter()
-    out = engine.step()
+    while engine.has_work:
+        engine.step()
     seconds = time.perf_counter() - start
-    assert out.admitted[0].cached_tokens == cached, "the prefix was not cached"
+    assert all(h.cached_tokens == cached for h in handles), "the prefix was not cached"
     return seconds
 
 
 def serve_bench_prefills(vocab: int, repeats: int) -> dict:
-    """serve_bench's two prefills at concurrency 1, drawn once for both engines: a shared
-    prefix and, per case, its cached length and ``1 + 2 * repeats`` prompts (a warm-up,
-    the timed ones, the profiled ones)."""
+    """serve_bench's prefills, drawn once for both engines: a shared prefix and, per case,
+    the new and cached tokens of each prompt, and ``1 + 2 * repeats`` runs of prompts sent
+    together (a warm-up, the timed ones, the profiled ones)."""
     gen = torch.Generator().manual_seed(3)
 
     def tokens(n: int) -> list[int]:
@@ -112,33 +118,40 @@ def serve_bench_prefills(vocab: int, repeats: int) -> dict:
 
     prefix, runs = tokens(512), 1 + 2 * repeats
     return {"prefix": prefix, "cases": {
-        "576 tokens, nothing cached": {"new": 576, "cached": 0,
-                                       "prompts": [tokens(576) for _ in range(runs)]},
-        "64 tokens behind 512 cached": {"new": 64, "cached": 512,
-                                        "prompts": [prefix + tokens(64) for _ in range(runs)]}}}
+        "576 tokens, nothing cached": {
+            "new": 576, "cached": 0, "prompts": [[tokens(576)] for _ in range(runs)]},
+        "64 tokens behind 512 cached": {
+            "new": 64, "cached": 512, "prompts": [[prefix + tokens(64)] for _ in range(runs)]},
+        "4 x 576 tokens, nothing cached": {
+            "new": 576, "cached": 0,
+            "prompts": [[tokens(576) for _ in range(4)] for _ in range(runs)]}}}
 
 
 def profile_prefills(model, spec: dict, repeats: int) -> dict[str, dict[str, float]]:
-    """The spec's prefills on minirt's engine, each timed alone, then profiled; returns
-    each one's seconds: median wall, GEMMs and attention under the profiler."""
+    """The spec's prefills on minirt's engine as ``minirt.serve`` runs it (chunked prefill,
+    a 2,048-token budget), each timed alone, then profiled; returns each one's seconds:
+    median wall, GEMMs and attention under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine, result = Engine(model, capacity=8192, page_size=1), {}
+    engine = Engine(model, capacity=8192, page_size=1, token_budget=2048,
+                    chunked_prefill=True)
+    result = {}
     for name, case in spec["cases"].items():
-        cached, prompts = case["cached"], iter(case["prompts"])
+        cached, runs = case["cached"], iter(case["prompts"])
         if cached:  # the prefix goes into the tree once
             engine.generate([Request(prompt=spec["prefix"], max_new_tokens=1,
                                      stop_on_eos=False)], progress=False)
-        timed_prefill(engine, next(prompts), cached)  # warm-up
-        wall = statistics.median(timed_prefill(engine, next(prompts), cached)
+        timed_prefill(engine, next(runs), cached)  # warm-up
+        wall = statistics.median(timed_prefill(engine, next(runs), cached)
                                  for _ in range(repeats))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            profiled = sum(timed_prefill(engine, next(prompts), cached)
+            profiled = sum(timed_prefill(engine, next(runs), cached)
                            for _ in range(repeats)) / repeats
-        print(f"\nOne prefill, {name}: {wall * 1e3:.1f} ms (median of {repeats}; "
+        print(f"\nPrefill, {name}: {wall * 1e3:.1f} ms (median of {repeats}; "
               f"{profiled * 1e3:.1f} ms under the profiler)")
+        batch = len(case["prompts"][0])
         split = print_split(prof.key_averages(), profiled, repeats,
-                            prefill_flops(model, case["new"], cached))
+                            prefill_flops(model, case["new"], cached, batch))
         result[name] = {"wall": wall, "gemm": split["linear layers (GEMMs)"],
                         "attention": split["attention"]}
     return result
@@ -163,7 +176,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--vllm", action="store_true",
-                   help="also the two prefills through vLLM (needs .venv-vllm)")
+                   help="also serve_bench's prefills through vLLM (needs .venv-vllm)")
     args = p.parse_args()
     model = timing_model(args.threads)
     ways = {  # name: (llama_forward, the common run computed once)

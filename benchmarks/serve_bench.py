@@ -29,7 +29,8 @@ concurrency 16 vLLM has answered one ``prefix_repetition`` prompt with other tok
 it gives that prompt alone, which minirt and the plain model agree on). vLLM's text for
 a prompt whose own text ends in U+FFFD begins with that prompt's text
 (vllm-project/vllm#48853, open; `random` draws such prompts): the check compares what
-follows it, and says so.
+follows it, and says so. Every run's results, each request's TTFT (``ttfts``) and text
+among them, stay in the JSON file whose path the table's heading ends with.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def client(plan_path: str, out_path: str) -> None:
                         "completed": res["completed"], "failed": res["failed"],
                         "errors": [e for e in res["errors"] if e],
                         "texts": res["generated_texts"], "prompts": prompts,
+                        "ttfts": res["ttfts"],
                         "cached_tokens": cache_hits(run["base_url"]) - before})
         Path(out_path).write_text(json.dumps(results))
 
@@ -287,7 +289,8 @@ def run(reps: int = 5, num_prompts: int = 32, concurrencies: tuple[int, ...] = (
     print(f"\n5. vllm.benchmarks.serve against both servers ({num_prompts} prompts, "
           f"{OUTPUT_LEN} output tokens, medians of {reps} alternated runs; load average "
           f"{load:.1f} at start, {os.getloadavg()[0]:.1f} now, {time.perf_counter() - t:.0f} s;"
-          f" minirt.serve --capacity {capacity} {' '.join(minirt_args)}):")
+          f" minirt.serve --capacity {capacity} {' '.join(minirt_args)}; every request in "
+          f"{out_file}):")
     print(text)
     cases = differing(results, ("vLLM", "minirt"))
     total = sum(len(r["texts"]) for r in results) // 2

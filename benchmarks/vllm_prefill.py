@@ -1,5 +1,5 @@
-"""Inside ``.venv-vllm``: vLLM's offline ``LLM`` on ``benchmarks/prefill.py``'s two prefills,
-the same prompts, timed and profiled, for the side-by-side table there (``prefill.py
+"""Inside ``.venv-vllm``: vLLM's offline ``LLM`` on ``benchmarks/prefill.py``'s prefills, the
+same prompts, timed and profiled, for the side-by-side table there (``prefill.py
 --vllm``, which writes the spec and runs this with ``vs_vllm.VLLM_ENV``).
 
     .venv-vllm/bin/python benchmarks/vllm_prefill.py SPEC.json OUT.json
@@ -7,7 +7,9 @@ the same prompts, timed and profiled, for the side-by-side table there (``prefil
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so torch's
 profiler sees its ops: the GEMMs are ``_C::onednn_mm`` and attention, prefill and decode
 alike, is ``_C::cpu_attention_with_kv_cache`` (vllm 0.32.0
-`v1/attention/backends/cpu_attn.py: CPUAttentionBackendImpl.forward`). Imports nothing
+`v1/attention/backends/cpu_attn.py: CPUAttentionBackendImpl.forward`). The step budget is
+its server's on a CPU, 2,048 tokens (the offline default is 4,096: vllm 0.32.0
+`engine/arg_utils.py: EngineArgs.get_batch_defaults`). Imports nothing
 of minirt's: this file runs in vLLM's environment.
 """
 
@@ -33,29 +35,32 @@ def main(spec_path: str, out_path: str) -> None:
         spec = json.load(f)
     repeats = spec["repeats"]
     llm = LLM(model=spec["model_path"], dtype="float32", enforce_eager=True,
-              enable_prefix_caching=True, max_model_len=4096, seed=0)
+              enable_prefix_caching=True, max_model_len=4096, seed=0,
+              max_num_batched_tokens=2048)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
-    def prefill(ids: list[int], cached: int) -> float:
+    def prefill(prompts: list[list[int]], cached: int) -> float:
         if not cached:
             llm.reset_prefix_cache()
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params,
+                            use_tqdm=False)
         seconds = time.perf_counter() - start
-        assert int(out.num_cached_tokens or 0) == cached, "vLLM cached another amount"
+        assert all(int(o.num_cached_tokens or 0) == cached for o in outs), \
+            "vLLM cached another amount"
         return seconds
 
     result = {}
     for name, case in spec["cases"].items():
-        cached, prompts = case["cached"], iter(case["prompts"])
+        cached, runs = case["cached"], iter(case["prompts"])
         if cached:
             llm.generate([TokensPrompt(prompt_token_ids=spec["prefix"])], params,
                          use_tqdm=False)
-        prefill(next(prompts), cached)  # warm-up
-        wall = statistics.median(prefill(next(prompts), cached) for _ in range(repeats))
+        prefill(next(runs), cached)  # warm-up
+        wall = statistics.median(prefill(next(runs), cached) for _ in range(repeats))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(repeats):
-                prefill(next(prompts), cached)
+                prefill(next(runs), cached)
         events = prof.key_averages()
         result[name] = {"wall": wall, **{k: sum(e.self_cpu_time_total for e in events
                                                 if e.key == op) / 1e6 / repeats
