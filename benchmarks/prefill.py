@@ -76,7 +76,7 @@ def second_step(engine: Engine, prompts: list[list[int]], direct: bool) -> tuple
     return seconds, [h.output_ids[0] for h in handles]
 
 
-def prefill_flops(model, new: int, cached: int, batch: int = 1) -> dict[str, float]:
+def prefill_flops(model, new: int, cached: int, batch: int) -> dict[str, float]:
     """FLOP of ``batch`` requests' prefill of ``new`` tokens each behind ``cached``: the GEMMs
     (every layer's projections for every new token, the output head for each request's last)
     and attention (q.k and p.v for every key each new token sees)."""
