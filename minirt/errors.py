@@ -62,3 +62,8 @@ class TierError(MinirtError, ValueError):
 class RouterError(MinirtError, ValueError):
     """A router setting or call that cannot work: unknown policy, thresholds out of range,
     a replica index that does not exist, ``done`` without a request in flight."""
+
+
+class TraceError(MinirtError, ValueError):
+    """A request trace that cannot be trusted: a checksum that does not match, or a line
+    that is not a request (the message names the line and the field)."""
