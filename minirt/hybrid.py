@@ -770,25 +770,13 @@ class WindowLifecycle(Lifecycle):
         req.match = self.cache.match_prefix(req.prompt[:-1])
         return req.match
 
-    def lock(self, req: Request) -> WindowHandle:
-        """Step 3: lock the match (re-matching a stale one); both page tables start with
-        the match's slots; the branching range is noted."""
-        self._require(req, "waiting")
-        if req.match is None:
-            self.match(req)
-        try:
-            self.cache.lock(req.match.handle)
-        except StaleHandleError:
-            self.match(req)
-            self.cache.lock(req.match.handle)
+    def _start_tables(self, req: Request) -> None:
+        """Step 3's page tables (``Lifecycle.lock`` calls this): both start with the match's
+        slots; the branching range is noted."""
         m = req.match
-        req.handle, req.cached_len, req.kv_len = m.handle, m.cached_len, m.cached_len
-        req.reused_len = m.cached_len
         req.page_table = PageTable(m.full)
         self.window_tables[req.rid] = list(m.window)
         self._branch[req.rid] = range(max(m.cached_len, m.full_len - self.spec.need), m.full_len)
-        req.state = "locked"
-        return m.handle
 
     def allocate(self, req: Request) -> torch.Tensor:
         """Step 4: full and window slots for the uncached gap (evicting if short)."""

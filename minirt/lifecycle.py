@@ -237,9 +237,14 @@ class Lifecycle:
         m = req.match
         req.handle, req.cached_len, req.kv_len = m.handle, m.cached_len, m.cached_len
         req.reused_len = m.cached_len
-        req.page_table = PageTable(m.indices)
+        self._start_tables(req)
         req.state = "locked"
         return m.handle
+
+    def _start_tables(self, req: Request) -> None:
+        """The locked request's page table starts with its match's slots (the hook a
+        lifecycle with more than one pool overrides)."""
+        req.page_table = PageTable(req.match.indices)
 
     def make_room(self, num_tokens: int) -> torch.Tensor:
         """Evict unlocked leaves until ``num_tokens`` slots are free; returns the evicted slots.
