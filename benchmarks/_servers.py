@@ -18,9 +18,10 @@ VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 MODEL_NAME = "SmolLM2-135M-Instruct"
 # vLLM's worker spins on its shared-memory queue (sched_yield) for 1 s after its last read
-# before it sleeps (vllm 0.32.0 `distributed/device_communicators/shm_broadcast.py:
-# SpinCondition`, busy_loop_s=1): on 2 cores that takes one from whatever runs next. Every
-# timed run, of either server, starts this long after the one before it ends.
+# before it sleeps, busy_loop_s=1 in
+# vllm 0.32.0 `distributed/device_communicators/shm_broadcast.py: SpinCondition`
+# On 2 cores that takes one from whatever runs next. Every timed run, of either server,
+# starts this long after the one before it ends.
 QUIET_S = 1.5
 
 
