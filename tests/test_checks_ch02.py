@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from exercise_util import accepts, rejects
+from exercise_util import ROOT, accepts, rejects
 
-from minirt.checks import ch02
+from minirt.checks import _common, ch02
 from minirt.radix import RadixNode, as_tokens
 
 # --------------------------------------------------------------------------- references
@@ -65,7 +67,7 @@ def count_nodes(requests):
 
 
 def insert_pages(root, ids, slots, *, split_at_end=True, return_slots=False,
-                 return_new=False):
+                 return_new=False, token_level=False, whole_leaf=False, tree_pages=False):
     page = root.page_size
     ids_t, slots_t = torch.tensor(ids), torch.tensor(slots)
     node, pos = root, 0
@@ -74,6 +76,10 @@ def insert_pages(root, ids, slots, *, split_at_end=True, return_slots=False,
         if child is None:
             break
         m = child.get_match_len(ids_t[pos:])
+        if token_level:  # matches token by token, not in whole pages
+            m = 0
+            while m < min(child.length, len(ids) - pos) and int(child.key[m]) == ids[pos + m]:
+                m += 1
         if m < child.length:
             if pos + m == len(ids) and not split_at_end:
                 pos += m
@@ -81,9 +87,19 @@ def insert_pages(root, ids, slots, *, split_at_end=True, return_slots=False,
             child = child.split_at(m)
         node, pos = child, pos + m
     if pos < len(ids):
-        leaf = RadixNode(root.key_fn, ids_t[pos:], slots_t[pos:])
+        if whole_leaf:  # the new leaf holds the whole request, not only the uncached rest
+            leaf = RadixNode(root.key_fn, ids_t, slots_t)
+        else:
+            leaf = RadixNode(root.key_fn, ids_t[pos:], slots_t[pos:])
         leaf.parent = node
         node.children[root.key_fn(leaf.key)] = leaf
+    if tree_pages:  # the tree's pages for the matched part, not the request's copies
+        out, n, walk = [], root, 0
+        while walk < pos:
+            n = n.children[root.key_fn(ids_t[walk:])]
+            out += [int(v) // page for v in n.value[: pos - walk: page]]
+            walk += n.length
+        return out
     if return_slots:
         return slots[:pos]
     if return_new:
@@ -242,6 +258,26 @@ def test_insert_pages_mutants_rejected(wrong):
     rejects(ch02.check_insert_pages, wrong, "2.4", contains="insert_pages(")
 
 
+@pytest.mark.parametrize("kwargs, hint", [
+    (dict(token_level=True), "page boundary"),     # the cold run's token-level match
+    (dict(whole_leaf=True), "uncached rest"),      # the cold run's leaf holding everything
+    (dict(tree_pages=True), "tree's pages"),
+    (dict(return_slots=True), "slot // "),
+    (dict(split_at_end=False), "simply ends there"),
+])
+def test_insert_pages_hint_answers_the_kind_of_mistake(kwargs, hint):
+    """The hint on a repeated failure speaks to the mistake made, not to the failure count."""
+    rejects(ch02.check_insert_pages,
+            lambda root, ids, slots: insert_pages(root, ids, slots, **kwargs), "2.4")
+    _common.reset_attempts("2.4")
+    with pytest.raises(AssertionError):
+        ch02.check_insert_pages(lambda root, ids, slots: insert_pages(root, ids, slots, **kwargs))
+    with pytest.raises(AssertionError) as second:
+        ch02.check_insert_pages(lambda root, ids, slots: insert_pages(root, ids, slots, **kwargs))
+    _common.reset_attempts("2.4")
+    assert hint in str(second.value).split("Hint (failed 2 times):")[1], str(second.value)
+
+
 def test_crashes_become_assertions_naming_the_input():
     def crashes(root, ids, slots):
         raise IndexError("oops")
@@ -254,15 +290,47 @@ def test_crashes_become_assertions_naming_the_input():
 
 
 def test_paged_prediction_accepts_the_right_one(capsys):
-    accepts(ch02.check_paged_prediction, {"duplicates": [[], [5], [10, 11]], "nodes": 5},
-            "2.4", capsys)
+    ch02.check_paged_prediction({"duplicates": [[], [5], [10, 11]], "nodes": 5})
+    assert capsys.readouterr().out.startswith("Exercise 2.4 passed")
+    assert _common.failures("2.4 prediction") == 0
 
 
-@pytest.mark.parametrize("wrong", [
-    {"duplicates": [[], [5], [10, 11, 12]], "nodes": 5},  # shares the partly matching page
-    {"duplicates": [[], [5], [10]], "nodes": 5},          # stops R at Q's fork
-    {"duplicates": [[], [5], [10, 11]], "nodes": 4},      # forgets the split R causes
-    {"duplicates": [[], [10], [20, 21]], "nodes": 5},     # slots, not page numbers
-])
-def test_paged_prediction_rejects_wrong_ones(wrong):
-    rejects(ch02.check_paged_prediction, wrong, "2.4", contains="your")
+PAGED_WRONG = [
+    ({"duplicates": [[], [5], [10, 11, 12]], "nodes": 5}, "only when all its tokens match"),
+    ({"duplicates": [[], [5], [10]], "nodes": 5}, "one whole page at a time"),
+    ({"duplicates": [[], [5], [10, 11]], "nodes": 4}, "splits it"),
+    ({"duplicates": [[], [10], [20, 21]], "nodes": 5}, "slot numbers"),   # the cold run's
+    ({"duplicates": [[], [0], [0, 1]], "nodes": 5}, "not the tree's"),   # the tree's pages
+    ({"dups": [[], [5], [10, 11]], "n": 5}, "template"),                 # the cold run's keys
+    ({"duplicates": [5, 10, 11], "nodes": 5}, "template"),
+]
+
+
+def _two_failures(check, answer, label: str) -> tuple[str, str]:
+    """Run a prediction checker twice on a wrong answer; the first and second message."""
+    _common.reset_attempts(label)
+    with pytest.raises(AssertionError) as first:
+        check(answer)
+    with pytest.raises(AssertionError) as second:
+        check(answer)
+    _common.reset_attempts(label)
+    return str(first.value), str(second.value)
+
+
+@pytest.mark.parametrize("wrong, hint", PAGED_WRONG)
+def test_paged_prediction_rejects_wrong_ones(wrong, hint):
+    one, two = _two_failures(ch02.check_paged_prediction, wrong, "2.4 prediction")
+    assert "your" in one and "Hint" not in one, one
+    assert hint in two.split("Hint (failed 2 times):")[1], two
+    # predict first: no failure gives the answer away
+    for message in (one, two):
+        rest = message.replace(repr(wrong), "")
+        assert "[10, 11]]" not in rest and "[[], [5]" not in rest, message
+        assert "5 nodes" not in rest and "expected" not in rest, message
+
+
+def test_the_paged_prediction_form_is_stated_before_any_failure():
+    """The exercise says what form ``predicted`` takes, and its cell holds a template."""
+    cells = json.loads((ROOT / "exercises" / "02_radix_tree.ipynb").read_text())["cells"]
+    text = "".join("".join(c["source"]) for c in cells)
+    assert '"duplicates":' in text and '"nodes":' in text

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
-from exercise_util import accepts, rejects
+from exercise_util import ROOT, accepts, rejects
 
-from minirt.checks import ch04
+from minirt.checks import _common, ch04
 
 # ----------------------------------------------------------------------------- 4.1
 
@@ -212,13 +213,55 @@ TWIN_FATES = {"kept": [], "duplicate": [8, 9, 10, 11, 12, 13], "cached": [14, 15
 
 
 def test_finish_prediction_accepts_the_right_one(capsys, one_thread):
-    accepts(ch04.check_finish_prediction, TWIN_FATES, "4.2", capsys)
+    ch04.check_finish_prediction(TWIN_FATES)
+    assert capsys.readouterr().out.startswith("Exercise 4.2 passed")
+    assert _common.failures("4.2 prediction") == 0
 
 
-@pytest.mark.parametrize("wrong", [
-    {**TWIN_FATES, "tail": [16]},                                  # forgets the unused slot
-    {**TWIN_FATES, "duplicate": [8, 9, 10, 11, 12, 13, 14], "cached": [15]},  # not whole pages
-    {**TWIN_FATES, "kept": [0, 1, 2, 3, 4, 5], "duplicate": []},   # A's slots are not B's
-])
-def test_finish_prediction_rejects_wrong_ones(wrong, one_thread):
-    rejects(ch04.check_finish_prediction, wrong, "4.2", contains="your prediction")
+# The cold run's wrong predictions, each with the words its hint must contain.
+FINISH_WRONG = [
+    ({**TWIN_FATES, "tail": [16]}, "unused slots"),                    # forgets slot 17
+    ({**TWIN_FATES, "duplicate": [8, 9, 10, 11, 12, 13, 14], "cached": [15]},
+     "whole pages only"),                                              # the tree holds all 7
+    ({**TWIN_FATES, "kept": [0, 1, 2, 3, 4, 5], "duplicate": []}, "when it was admitted"),
+    ({**TWIN_FATES, "cached": [14, 15, 16], "tail": [17]}, "whole pages of K/V"),
+    ({**TWIN_FATES, "duplicate": [0, 1, 2, 3, 4, 5]}, "own copies"),
+    ([8, 9, 10], "template"),
+]
+
+
+@pytest.mark.parametrize("wrong, hint", FINISH_WRONG)
+def test_finish_prediction_rejects_wrong_ones(wrong, hint, one_thread):
+    _common.reset_attempts("4.2 prediction")
+    with pytest.raises(AssertionError) as first:
+        ch04.check_finish_prediction(wrong)
+    with pytest.raises(AssertionError) as second:
+        ch04.check_finish_prediction(wrong)
+    _common.reset_attempts("4.2 prediction")
+    one, two = str(first.value), str(second.value)
+    assert "your prediction" in one and "Hint" not in one, one
+    assert hint in two.split("Hint (failed 2 times):")[1], two
+    for message in (one, two):  # predict first: no failure gives the answer away
+        rest = message.replace(repr(wrong), "")
+        assert "expected" not in rest, message
+        for fate, slots in TWIN_FATES.items():
+            if slots:
+                assert str(slots) not in rest, (fate, message)
+
+
+@pytest.mark.parametrize("kwargs, hint", [(dict(tail_in_table_only=True), "unused slots"),
+                                          (dict(no_rounding=True), "whole pages")])
+def test_slot_fates_hint_answers_the_kind_of_mistake(kwargs, hint):
+    _common.reset_attempts("4.2")
+    for _ in range(2):
+        with pytest.raises(AssertionError) as failure:
+            ch04.check_slot_fates(lambda r, t, p: slot_fates(r, t, p, **kwargs))
+    _common.reset_attempts("4.2")
+    assert hint in str(failure.value).split("Hint (failed 2 times):")[1], str(failure.value)
+
+
+def test_the_finish_prediction_form_is_stated_before_any_failure():
+    """The exercise says what form ``predicted`` takes, and its cell holds a template."""
+    cells = json.loads((ROOT / "exercises" / "04_lifecycle.ipynb").read_text())["cells"]
+    text = "".join("".join(c["source"]) for c in cells)
+    assert '# predicted = {"kept":' in text

@@ -16,7 +16,16 @@ from ..cache import RadixCache
 from ..radix import RadixNode, page_key
 from ..viz import tree_dict
 from ..workloads import lookup_steps, prefix_node_counts
-from ._common import as_int_list, call_reader, checker, expect, expect_value_error, passed
+from ._common import (
+    CheckFailure,
+    as_int_list,
+    call_reader,
+    checker,
+    expect,
+    expect_value_error,
+    passed,
+    same_int,
+)
 
 __all__ = [
     "PAGED_REQUESTS",
@@ -251,30 +260,75 @@ def _slot_paths(root: RadixNode) -> dict[tuple[int, ...], list[int]]:
     return out
 
 
+def _has_node_with_key(root: RadixNode, ids: list[int]) -> bool:
+    """True if one node under ``root`` holds exactly ``ids`` as its key."""
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        if node.key.tolist() == list(ids):
+            return True
+        stack.extend(node.children.values())
+    return False
+
+
+def _insert_nudge(got: list[int] | None, want: list[int], slots: list[int],
+                  tree_pages: list[int], page: int) -> str:
+    """A hint for the kind of mistake in the returned duplicate pages."""
+    if got is not None and got and got == slots[: len(want) * page]:
+        return f"Those are slot numbers; return page numbers: slot // {page}."
+    if got is not None and got and got == tree_pages[: len(got)]:
+        return ("Those are the tree's pages, which stay. Return the request's own copies of "
+                "what the tree already held: they are the ones to free.")
+    if got is not None and len(got) > len(want):
+        return ("Only whole pages are shared: count the matched tokens in whole pages "
+                "(get_match_len does), not token by token.")
+    return ("The duplicates are the request's own pages for the positions the tree already "
+            "held when it arrived, in position order.")
+
+
 @checker("2.4", "The tree keeps the slots it already has; the request's copies of those are "
                 "the duplicates. Which pages of the request hold them, and what is a page's "
                 "number in a pool of pages?")
 def check_insert_pages(insert_pages: Callable[[RadixNode, list[int], list[int]], list[int]]
                        ) -> None:
-    """Exercise 2.4: a paged insert that returns the request's duplicate pages to free."""
+    """Exercise 2.4: a paged insert that returns the request's duplicate pages to free.
+
+    Each kind of failure carries its own hint: a crash inside ``split_at``, wrong pages, a
+    tree of the wrong shape, or wrong slots along a path.
+    """
     for name, page, requests in _PAGED_CASES:
         root = RadixNode(page_key(page))
         ref = RadixCache(page_size=page)
         for k, ids in enumerate(requests):
             slots = _own_slots(k, len(ids), page)
+            before = _slot_paths(ref.root)
+            tree_pages = sorted({s // page for path in before.values() for s in path})
             want_dup = [s // page for s in slots[: ref.insert_prefix(ids, slots).cached_len:page]]
             what = (f"insert_pages(root, ids={ids}, slots={slots}) with page_size {page}, after "
                     f"inserting {requests[:k]} ({name})")
-            got = as_int_list(call_reader(what, insert_pages, root, list(ids), list(slots)))
+            try:
+                got = as_int_list(call_reader(what, insert_pages, root, list(ids), list(slots)))
+            except CheckFailure as exc:
+                raise CheckFailure(str(exc), (
+                    "split_at takes only positions on a page boundary. Measure a match with "
+                    "get_match_len, which counts whole pages, before you split.")
+                    if "ValueError" in str(exc) else None) from exc
             expect(got == want_dup,
-                   f"{what} returned the duplicate pages {got}, expected {want_dup}.")
+                   f"{what} returned the duplicate pages {got}, expected {want_dup}.",
+                   _insert_nudge(got, want_dup, slots, tree_pages, page))
             have, want = tree_dict(root), tree_dict(ref)
+            whole = _has_node_with_key(root, ids) and not _has_node_with_key(ref.root, ids)
             expect(have == want, f"{what}: the tree is now {have}, expected {want}.",
+                   "The tokens the tree already holds stay on its nodes: hang only the "
+                   "uncached rest of the request as a new leaf, under the node where the "
+                   "match ends." if whole else
                    "Split where the request leaves a node, even where it simply ends there.")
             have_slots, want_slots = _slot_paths(root), _slot_paths(ref.root)
             expect(have_slots == want_slots,
                    f"{what}: the slots along each path are {have_slots}, expected "
-                   f"{want_slots}.")
+                   f"{want_slots}.",
+                   "Cached positions keep the tree's slots; the new leaf takes the request's "
+                   "own slots for the positions after the match.")
     passed("2.4", f"{len(_PAGED_CASES)} insert sequences: the tree as RadixCache builds it, and "
                   "exactly the duplicate pages returned")
 
@@ -299,22 +353,54 @@ def _paged_truth(page: int = 2) -> dict[str, object]:
     return {"duplicates": dups, "nodes": nodes}
 
 
-@checker("2.4", "A page is shared only when it and every page before it match. Where does "
-                "each request leave the tree, in whole pages, and which nodes does that split?")
+_PAGED_NAMES = ("P", "Q", "R")
+
+
+def _paged_nudge(k: int, got: list[int], want: list[int], page: int = 2) -> str:
+    """A hint for the kind of mistake in request ``k``'s duplicate pages (never the answer)."""
+    own = list(range(10 * k, 10 * k + len(PAGED_REQUESTS[k])))
+    if got and all(g in own for g in got) and not set(got) & set(want):
+        return ("Those look like slot numbers. The pool frees whole pages: a page's number is "
+                f"slot // {page}.")
+    if got and not set(got) <= {s // page for s in own}:
+        return (f"Duplicates are {_PAGED_NAMES[k]}'s own copies, so they are among its own "
+                f"pages (its slots are {own[0]}..{own[-1]}), not the tree's.")
+    if len(got) > len(want):
+        return ("A page is shared only when all its tokens match, and every page before it "
+                "too: a page that matches only in part is computed again, not a duplicate.")
+    return ("Walk the tree as it stands after the requests before this one, one whole page at "
+            "a time, and stop at the first page that differs.")
+
+
+@checker("2.4 prediction", "A page is shared only when it and every page before it match. "
+                           "Where does each request leave the tree, in whole pages, and which "
+                           "nodes does that split?")
 def check_paged_prediction(predicted: dict) -> None:
-    """Exercise 2.4, first part: duplicate pages and node count of ``PAGED_REQUESTS``."""
+    """Exercise 2.4, first part: duplicate pages and node count of ``PAGED_REQUESTS``.
+
+    A wrong value is named but never corrected: the point is to predict first.
+    """
     want = _paged_truth()
+    form = ("a dict {'duplicates': [P's pages, Q's pages, R's pages], 'nodes': n}, each "
+            "entry a list of page numbers and n an int, e.g. {'duplicates': [[], [0], [1, 2]], "
+            "'nodes': 3}")
     expect(isinstance(predicted, dict) and set(predicted) == set(want),
-           f"your prediction is {predicted!r}; expected a dict with the keys "
-           f"{sorted(want)}, e.g. {{'duplicates': [[], [0], [1, 2]], 'nodes': 3}}.")
-    got = [as_int_list(d) for d in predicted["duplicates"]] if isinstance(
-        predicted["duplicates"], (list, tuple)) else None
-    expect(got == want["duplicates"],
-           f"your duplicate pages are {predicted['duplicates']!r}, expected "
-           f"{want['duplicates']} (request k's own slots are 10 k, 10 k + 1, ...; page = "
-           "slot // 2).")
-    expect(predicted["nodes"] == want["nodes"],
-           f"your tree has {predicted['nodes']!r} nodes besides the root, expected "
-           f"{want['nodes']}.")
+           f"your prediction is {predicted!r}; write it as {form}.",
+           "Copy the template in the cell and fill in the values.")
+    raw = predicted["duplicates"]
+    got = ([as_int_list(d) for d in raw] if isinstance(raw, (list, tuple)) and len(raw) == 3
+           else None)
+    expect(got is not None and None not in got,
+           f"your 'duplicates' is {raw!r}; it must hold three lists of page numbers, one per "
+           "request P, Q, R in insertion order.", "Copy the template in the cell.")
+    for k, (g, w) in enumerate(zip(got, want["duplicates"], strict=True)):
+        expect(g == w, f"your duplicate pages for {_PAGED_NAMES[k]} ({PAGED_REQUESTS[k]}) are "
+                       f"{raw[k]!r}; that is not right.", _paged_nudge(k, g, w))
+    expect(same_int(predicted["nodes"], want["nodes"]),
+           f"your duplicate pages are right, but the tree does not have {predicted['nodes']!r} "
+           "nodes besides the root.",
+           "Draw the tree after each insert. A request that leaves a node part of the way "
+           "along splits it, at a page boundary; and the pages it does not share hang as one "
+           "new leaf.")
     passed("2.4", f"prediction right: duplicate pages {want['duplicates']}, "
                   f"{want['nodes']} nodes")

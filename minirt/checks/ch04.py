@@ -241,6 +241,29 @@ def slot_fates_reference(req: Request, tree_has: int, page_size: int) -> dict[st
             "cached": slots[tree_has:aligned], "tail": private[aligned - req.cached_len:]}
 
 
+def _fates_nudge(fate: str, got: list[int] | None, want: dict[str, list[int]],
+                 private: list[int]) -> str | None:
+    """A hint for the kind of mistake made in one fate (None: the checker's general hint)."""
+    have, right = set(got or []), set(want[fate])
+    extra, missing = have - right, right - have
+    if fate == "kept" and extra:
+        return ("Kept lists only the tree slots the request shared when it was admitted (its "
+                "first cached_len positions), not what the tree holds now.")
+    if fate == "duplicate" and extra - set(private):
+        return ("Duplicates are the request's own copies (private slots) of tokens the tree "
+                "already holds; the tree's own slots stay where they are.")
+    if fate == "duplicate" and extra:
+        return ("The other request inserted its prompt in whole pages only: how many of its "
+                "tokens is that?")
+    if fate == "tail" and missing and not extra:
+        return ("The tail is freed page by page: it holds every private slot after the last "
+                "whole page the tree takes, the unused slots of the request's last page too.")
+    if fate in ("cached", "tail") and (extra & set(want["cached"] + want["tail"])):
+        return ("The tree takes whole pages of K/V only: positions after the last whole page "
+                "are not inserted, and the last output token has no K/V yet.")
+    return None
+
+
 @checker("4.2", "Finish inserts only what has K/V, in whole pages, and the tree keeps the "
                 "slots it already had. For each position of the request, ask: did the tree "
                 "own it before, does it own it after, and whose copy survives?")
@@ -262,27 +285,34 @@ def check_slot_fates(slot_fates: FatesFn) -> None:
             for fate in FATES:
                 have = as_int_list(got[fate])
                 expect(have is not None and sorted(have) == sorted(want[fate]),
-                       f"{what}: {fate!r} is {got[fate]!r}, expected {want[fate]}.")
+                       f"{what}: {fate!r} is {got[fate]!r}, expected {want[fate]}.",
+                       _fates_nudge(fate, have, want, req.private.tolist()))
     passed("4.2", f"{len(FINISH_SCENARIOS)} finishes predicted slot by slot: kept, duplicate "
                   "(freed), newly cached, tail (freed)")
 
 
-@checker("4.2", "Go position by position through B's page table: which positions does the "
-                "tree already hold (A inserted its prompt in whole pages), which whole pages "
-                "does B add, and which slots of B's last page hold no cached token?")
+@checker("4.2 prediction", "Go position by position through B's page table: which positions "
+                           "does the tree already hold (A inserted its prompt in whole pages), "
+                           "which whole pages does B add, and which slots of B's last page hold "
+                           "no cached token?")
 def check_finish_prediction(predicted: Mapping[str, Sequence[int]]) -> None:
-    """Exercise 4.2, first part: twin B's slots at finish, predicted by hand (pages of 2)."""
+    """Exercise 4.2, first part: twin B's slots at finish, predicted by hand (pages of 2).
+
+    A wrong list is named but never corrected: the point is to predict first.
+    """
     with _one_thread():
         lc, req = _scenario_twins(2)
         want = slot_fates_reference(req, _tree_has(lc, req), lc.pool.page_size)
+        private = req.private.tolist()
     what = "your prediction for B's finish"
     expect(isinstance(predicted, Mapping) and set(predicted) == set(FATES),
-           f"{what} is {predicted!r}; expected a dict with the keys {list(FATES)}, each a "
-           "list of slots.")
+           f"{what} is {predicted!r}; write it as a dict with the keys {list(FATES)}, each a "
+           "list of slot numbers (in any order).", "Copy the template in the cell.")
     for fate in FATES:
         have = as_int_list(predicted[fate])
         expect(have is not None and sorted(have) == sorted(want[fate]),
-               f"{what}: {fate!r} is {predicted[fate]!r}, expected {want[fate]}.")
+               f"{what}: {fate!r} is {predicted[fate]!r}; that is not right.",
+               _fates_nudge(fate, have, want, private))
     passed("4.2", "prediction right: " + ", ".join(f"{k} {v}" for k, v in want.items()))
 
 
