@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import minirt.checks as checks
-from minirt.checks import ch08
+from minirt.checks._common import CheckFailure, reset_attempts
 
 # ---------------------------------------------------------------- Exercise 8.1
 
@@ -50,28 +50,94 @@ def mm_absolute_offset(tokens, bs, seed, hash_fn, images):  # offset not relativ
     return out
 
 
+def mm_empty_tuple(tokens, bs, seed, hash_fn, images):  # () where no image overlaps
+    out, parent = [], seed
+    for i in range(len(tokens) // bs):
+        start, end = i * bs, (i + 1) * bs
+        keys = tuple(("mm", h, off - start) for off, n, h in images
+                     if off < end and off + n > start)
+        parent = hash_fn((parent, tuple(tokens[start:end]), keys))
+        out.append(parent)
+    return out
+
+
+def mm_no_chain(tokens, bs, seed, hash_fn, images):  # every block's parent is the seed
+    out = []
+    for i in range(len(tokens) // bs):
+        start, end = i * bs, (i + 1) * bs
+        keys = tuple(("mm", h, off - start) for off, n, h in images
+                     if off < end and off + n > start)
+        out.append(hash_fn((seed, tuple(tokens[start:end]), keys or None)))
+    return out
+
+
+def mm_touching(tokens, bs, seed, hash_fn, images):  # off + len >= start, off <= end
+    out, parent = [], seed
+    for i in range(len(tokens) // bs):
+        start, end = i * bs, (i + 1) * bs
+        keys = tuple(("mm", h, off - start) for off, n, h in images
+                     if off <= end and off + n >= start)
+        parent = hash_fn((parent, tuple(tokens[start:end]), keys or None))
+        out.append(parent)
+    return out
+
+
+def mm_partial_block(tokens, bs, seed, hash_fn, images):  # hashes the partial last block
+    out, parent = [], seed
+    for i in range(-(-len(tokens) // bs)):
+        start, end = i * bs, (i + 1) * bs
+        keys = tuple(("mm", h, off - start) for off, n, h in images
+                     if off < end and off + n > start)
+        parent = hash_fn((parent, tuple(tokens[start:end]), keys or None))
+        out.append(parent)
+    return out
+
+
 @pytest.fixture(autouse=True)
 def fresh_counts():
-    ch08._failures.clear()
+    reset_attempts()
     yield
-    ch08._failures.clear()
+    reset_attempts()
+
+
+MM_SLIPS = [
+    # (wrong answer, what the repeated failure's hint must say)
+    (mm_ignores_images, "only the image's hash"),
+    (mm_start_block_only, "every block it overlaps"),
+    (mm_absolute_offset, "from the start of the block"),
+    (mm_empty_tuple, "not an empty tuple"),
+    (mm_no_chain, "previous block's hash"),
+    (mm_touching, "ends where the block starts"),
+    (mm_partial_block, "partial last block"),
+]
 
 
 def test_mm_chain(capsys):
     checks.check_mm_chain_hashes(mm_right)
     assert capsys.readouterr().out.startswith("Exercise 8.1 passed")
-    for wrong in (mm_ignores_images, mm_start_block_only, mm_absolute_offset):
-        with pytest.raises(AssertionError, match="mm_chain_hashes"):
+    for wrong, _ in MM_SLIPS:
+        with pytest.raises(CheckFailure, match="mm_chain_hashes"):
             checks.check_mm_chain_hashes(wrong)
 
 
-def test_hints_escalate():
-    with pytest.raises(AssertionError) as first:
-        checks.check_mm_chain_hashes(mm_ignores_images)
-    assert "Nudge" not in str(first.value) and "block_size=" in str(first.value)
-    with pytest.raises(AssertionError) as second:
-        checks.check_mm_chain_hashes(mm_ignores_images)
-    assert "Nudge" in str(second.value)
+@pytest.mark.parametrize(("wrong", "hint"), MM_SLIPS)
+def test_mm_hint_answers_the_kind_of_slip(wrong, hint):
+    with pytest.raises(CheckFailure) as first:
+        checks.check_mm_chain_hashes(wrong)
+    message = str(first.value)
+    assert "Hint" not in message and hint not in message and "block_size=" in message
+    assert "expected" in message  # the failing input, what came back, what was expected
+    with pytest.raises(CheckFailure) as second:
+        checks.check_mm_chain_hashes(wrong)
+    assert "Hint (failed 2 times)" in str(second.value) and hint in str(second.value)
+
+
+def test_mm_message_names_the_first_block_that_differs():
+    with pytest.raises(CheckFailure) as err:
+        checks.check_mm_chain_hashes(mm_absolute_offset)
+    message = str(err.value)
+    assert "first differ at block 1 (tokens 4..7)" in message
+    assert "(('mm', 'cat', 1),)" in message and "(('mm', 'cat', 5),)" in message
 
 
 # ---------------------------------------------------------------- Exercise 8.2
@@ -205,3 +271,17 @@ def test_extract(capsys):
     for wrong in (extract_no_filler, extract_filler_in_vocab, extract_slowest):
         with pytest.raises(AssertionError, match="extract_prompt"):
             checks.check_extract_prompt(wrong)
+
+
+@pytest.mark.parametrize(("check", "wrong"), [
+    (checks.check_hash_hit, hit_token_level),
+    (checks.check_free_queue_order, queue_head_first),
+    (checks.check_extract_prompt, extract_slowest),
+])
+def test_every_checker_escalates_like_the_others(check, wrong):
+    with pytest.raises(CheckFailure) as first:
+        check(wrong)
+    assert "Hint" not in str(first.value) and "expected" in str(first.value)
+    with pytest.raises(CheckFailure) as second:
+        check(wrong)
+    assert "Hint (failed 2 times)" in str(second.value)

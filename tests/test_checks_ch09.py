@@ -66,7 +66,7 @@ def test_break_even_hints_escalate():
 # ---------------------------------------------------------------- Exercise 9.4
 
 def _make_replication(prefix_per_replica=True, balance_cold=True, tie_total=True,
-                      only=None):
+                      only=None, larger_on_ties=False):
     def loads_for(k, n_hot, p, s, n_cold, c, replicas):
         loads = [0] * replicas
         q, r = divmod(n_hot, k)
@@ -91,9 +91,10 @@ def _make_replication(prefix_per_replica=True, balance_cold=True, tie_total=True
         best = None
         for k in ks:
             loads = loads_for(min(k, replicas), n_hot, p, s, n_cold, c, replicas)
-            key = (max(loads), sum(loads) if tie_total else 0, k)
+            key = (max(loads), sum(loads) if tie_total else 0, -k if larger_on_ties else k)
             best = key if best is None or key < best else best
-        return best[2], best[0], sum(loads_for(best[2], n_hot, p, s, n_cold, c, replicas))
+        k = abs(best[2])
+        return k, best[0], sum(loads_for(k, n_hot, p, s, n_cold, c, replicas))
     return fn
 
 
@@ -107,10 +108,25 @@ def test_replication_accepts_the_reference(capsys):
     _make_replication(only=99),  # round-robin: always spread over every replica
     _make_replication(prefix_per_replica=False),  # the prefix counted once in all
     _make_replication(balance_cold=False),  # cold requests dealt round-robin
+    _make_replication(larger_on_ties=True),  # equal busiest loads: the larger k
 ])
 def test_replication_rejects_wrong_answers(wrong):
     with pytest.raises(AssertionError, match="best_replication"):
         checks.check_best_replication(wrong)
+
+
+@pytest.mark.parametrize(("wrong", "nudge"), [
+    (_make_replication(prefix_per_replica=False), "not what your own k"),  # loads miscounted
+    (_make_replication(only=1), "Another k"),  # the loads of k = 1 are right; k is not
+    (_make_replication(larger_on_ties=True), "Several k"),
+])
+def test_replication_hint_names_the_kind_of_mistake(wrong, nudge):
+    with pytest.raises(AssertionError) as first:
+        checks.check_best_replication(wrong)
+    assert "Hint" not in str(first.value) and "expected (k, busiest, total)" in str(first.value)
+    with pytest.raises(AssertionError) as second:
+        checks.check_best_replication(wrong)
+    assert "Hint (failed 2 times)" in str(second.value) and nudge in str(second.value)
 
 
 # ---------------------------------------------------------------- Exercise 9.2
@@ -229,13 +245,61 @@ def test_tier_counts_rejects_wrong_answers(wrong):
 
 # ---------------------------------------------------------------- Exercise 9.4, the prediction
 
+RIGHT_GUESSES = {"A": 3, "B": 2, "C": 1}
 
-def test_spread_guesses(capsys):
-    right = {"long prefix, few hot": 1, "short prefix, many hot": 4, "hot tenant alone": 4}
-    checks.check_spread_guesses(right)
+
+def test_spread_guesses_accepts_the_best_k(capsys):
+    from minirt.checks.ch09 import SPREAD_GUESS_CASES, best_replication
+
+    # The right guesses are the reference's, computed here, not typed from the checker.
+    assert RIGHT_GUESSES == {n: best_replication(*a)[0] for n, a in SPREAD_GUESS_CASES.items()}
+    checks.check_spread_guesses(dict(RIGHT_GUESSES))
     assert capsys.readouterr().out.startswith("Exercise 9.4 passed")
-    for wrong in ({**right, "long prefix, few hot": 4},  # spreads a long prefix
-                  {**right, "short prefix, many hot": 1, "hot tenant alone": 1},  # never spreads
-                  {"long prefix, few hot": 1}):  # not every case
-        with pytest.raises(AssertionError):
-            checks.check_spread_guesses(wrong)
+
+
+def test_spread_guess_cases_are_not_answered_by_the_code_check():
+    from minirt.checks.ch09 import REPLICATION_CASES, SPREAD_GUESS_CASES
+
+    assert not set(SPREAD_GUESS_CASES.values()) & set(REPLICATION_CASES)
+    assert len(set(RIGHT_GUESSES.values())) == 3  # neither extreme answers every workload
+
+
+@pytest.mark.parametrize("wrong", [
+    {**RIGHT_GUESSES, "A": 4},  # spreads over every replica
+    {"A": 1, "B": 1, "C": 1},  # never spreads
+    {"A": 4, "B": 4, "C": 4},  # always spreads (round-robin)
+    {**RIGHT_GUESSES, "C": 4},  # "many hot requests: spread them"
+    {"A": 3, "B": 2},  # not every workload
+    [3, 2, 1],  # a list, not a dict
+    {**RIGHT_GUESSES, "B": 2.0},  # not an int
+    {**RIGHT_GUESSES, "B": 0},  # not 1..4
+])
+def test_spread_guesses_rejects_wrong_guesses(wrong):
+    with pytest.raises(AssertionError):
+        checks.check_spread_guesses(wrong)
+
+
+def test_spread_guesses_names_the_form():
+    with pytest.raises(AssertionError) as err:
+        checks.check_spread_guesses([3, 2, 1])
+    assert '{"A": k, "B": k, "C": k}' in str(err.value)
+
+
+@pytest.mark.parametrize(("guesses", "nudge"), [
+    ({**RIGHT_GUESSES, "A": 2}, "at k + 1"),  # too few replicas
+    ({**RIGHT_GUESSES, "A": 4}, "at k - 1"),  # too many
+    ({**RIGHT_GUESSES, "C": 3}, "at k - 1"),
+])
+def test_spread_guesses_never_reveal_the_answer_and_hint_by_kind(guesses, nudge):
+    from minirt.checks.ch09 import SPREAD_GUESS_CASES, best_replication
+
+    name = next(n for n in SPREAD_GUESS_CASES if guesses[n] != RIGHT_GUESSES[n])
+    best = best_replication(*SPREAD_GUESS_CASES[name])
+    with pytest.raises(AssertionError) as first:
+        checks.check_spread_guesses(guesses)
+    message = str(first.value)
+    assert f"Workload {name!r}" in message and "Hint" not in message
+    assert "expected" not in message and str(best[1]) not in message  # no best k, no best load
+    with pytest.raises(AssertionError) as second:
+        checks.check_spread_guesses(guesses)
+    assert nudge in str(second.value) and "expected" not in str(second.value)

@@ -2,8 +2,9 @@
 prompt extraction.
 
 Each checker runs the reader's function on several inputs, compares with a reference
-computed here, and names the first input that disagrees. A repeated failure of the same
-exercise adds a nudge toward the idea (never the algorithm).
+computed here, and names the first input that disagrees: what came back and what was
+expected. A repeated failure of the same exercise adds a hint toward the idea (never the
+algorithm); for 8.1 the hint answers the kind of slip the returned hashes show.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..hashcache import HashCache, hash_block_tokens, sha256_hash
-from ._common import as_int_list, call_reader, passed
+from ._common import as_int_list, call_reader, checker, expect, passed
 
 __all__ = [
     "check_extract_prompt",
@@ -23,31 +24,6 @@ __all__ = [
     "check_free_queue_order",
     "check_hash_hit",
 ]
-
-_failures: Counter[str] = Counter()
-
-NUDGES = {
-    "8.1": "Nudge: an image belongs to the extra keys of every block it overlaps, and its "
-           "offset is counted from the start of that block.",
-    "8.2": "Nudge: a lookup stops at the first block whose hash is missing, it only ever "
-           "sees full blocks, and it never covers the prompt's last token.",
-    "8.3": "Nudge: a block joins the queue only when its count reaches zero, and a "
-           "request's blocks are released last block first.",
-    "8.4": "Nudge: the probe that matches one token more than the others is the fastest; "
-           "a wrong probe that gets cached matches no more of the secret than before.",
-}
-
-
-def _fail(exercise: str, message: str) -> None:
-    _failures[exercise] += 1
-    if _failures[exercise] > 1:
-        message += "\n" + NUDGES[exercise]
-    raise AssertionError(message)
-
-
-def _check(exercise: str, ok: bool, message: str) -> None:
-    if not ok:
-        _fail(exercise, message)
 
 
 # ---------------------------------------------------------------- 8.1 images in the chain
@@ -60,21 +36,97 @@ IMAGE_CASES = [
     ([7] * 16, 4, [(2, 9, "cat")]),  # spans blocks 0-2
     ([1, 2, 3] + [7] * 13, 4, [(3, 2, "a"), (6, 1, "b")]),  # two images in block 1
     ([7] * 14, 4, [(12, 2, "tail")]),  # only in the partial last block: no hash
-    (list(range(48)), 16, [(0, 16, "first"), (20, 16, "second")]),
+    (list(range(48)), 16, [(0, 16, "first"), (20, 16, "second")]),  # "first" ends at 16
 ]
 
+_NUDGE_81 = ("Compare your hash of the first block that differs with hash_fn((parent, "
+             "tuple(block tokens), extra_keys)) for the parent and the extra keys the message "
+             "names, one input at a time.")
 
-def _mm_reference(tokens: Sequence[int], bs: int, seed: bytes, images) -> list:
+
+def _overlaps(off: int, n: int, start: int, end: int) -> bool:
+    return off < end and off + n > start
+
+
+# Ways to build one block's extra keys: the right one first, then the slips the hint
+# names. Each maps (images, block start, block end) -> extra_keys.
+_KEY_RULES: dict[str, Callable] = {
+    "right": lambda ims, s, e: tuple(("mm", h, o - s) for o, n, h in ims
+                                     if _overlaps(o, n, s, e)) or None,
+    "empty tuple": lambda ims, s, e: tuple(("mm", h, o - s) for o, n, h in ims
+                                           if _overlaps(o, n, s, e)),
+    "absolute offset": lambda ims, s, e: tuple(("mm", h, o) for o, n, h in ims
+                                               if _overlaps(o, n, s, e)) or None,
+    "start block only": lambda ims, s, e: tuple(("mm", h, o - s) for o, n, h in ims
+                                                if s <= o < e) or None,
+    "touching counts": lambda ims, s, e: tuple(("mm", h, o - s) for o, n, h in ims
+                                               if o <= e and o + n >= s) or None,
+    # Last: where an earlier rule also gives None (an image that started in an earlier
+    # block), the slip that failed is the more specific one.
+    "no images": lambda ims, s, e: None,
+}
+
+_KEY_NUDGES = {
+    "empty tuple": "A block that no image overlaps has extra_keys None, not an empty tuple: "
+                   "the two hash differently.",
+    "no images": "The placeholder tokens are the same whatever the image shows: only the "
+                 "image's hash in extra_keys tells two images apart.",
+    "absolute offset": "The offset in an image's extra key is counted from the start of the "
+                       "block, not from the start of the prompt.",
+    "start block only": "An image belongs to the extra keys of every block it overlaps, not "
+                        "only the block where it starts.",
+    "touching counts": "An image overlaps a block only if one of its tokens lies inside the "
+                       "block: an image that ends where the block starts, or starts where it "
+                       "ends, does not.",
+    "seed parent": "Each block's parent is the previous block's hash; only block 0's parent "
+                   "is the seed.",
+    "too many": "Only full blocks get a hash: a partial last block has none.",
+    "too few": "Every full block gets a hash, the last full one too.",
+}
+
+
+def _mm_chain(tokens: Sequence[int], bs: int, seed: bytes, images, rule: str = "right",
+              chain: bool = True) -> list:
     out, parent = [], seed
     for i in range(len(tokens) // bs):
         start, end = i * bs, (i + 1) * bs
-        keys = tuple(("mm", h, off - start) for off, n, h in images
-                     if off < end and off + n > start)
-        parent = hash_block_tokens(sha256_hash, parent, tokens[start:end], keys or None)
-        out.append(parent)
+        keys = _KEY_RULES[rule](images, start, end)
+        h = hash_block_tokens(sha256_hash, parent if chain or i == 0 else seed,
+                              tokens[start:end], keys)
+        parent = h
+        out.append(h)
     return out
 
 
+def _mm_reference(tokens: Sequence[int], bs: int, seed: bytes, images) -> list:
+    return _mm_chain(tokens, bs, seed, images)
+
+
+def _explain_block(got, k: int, tokens, bs: int, seed: bytes, images) -> tuple[str, str | None]:
+    """What the reader's hash of block ``k`` (the first that differs) was built from, if it
+    is one of the slips tried: (a sentence, the nudge for that slip)."""
+    start, end = k * bs, (k + 1) * bs
+    parent = seed if k == 0 else got[k - 1]  # blocks before k agree with the reference
+    block = tokens[start:end]
+    want_keys = _KEY_RULES["right"](images, start, end)
+    parent_name = "the seed" if k == 0 else f"block {k - 1}'s hash"
+    expected = (f"expected hash_fn(({parent_name}, tuple(tokens[{start}:{end}]), "
+                f"{want_keys!r}))")
+    parents = [(parent_name, parent, None)]
+    if k > 0:
+        parents.append(("the seed", seed, "seed parent"))
+    for p_name, p, p_slip in parents:
+        for rule, make in _KEY_RULES.items():
+            keys = make(images, start, end)
+            if got[k] == hash_block_tokens(sha256_hash, p, block, keys):
+                slip = p_slip or (None if rule == "right" else rule)
+                return (f"{expected}; yours is hash_fn(({p_name}, tuple(tokens[{start}:{end}]),"
+                        f" {keys!r})).", _KEY_NUDGES.get(slip) if slip else None)
+    return (f"{expected}; yours is none of the variants the check tried (parent, tokens, "
+            "extra keys).", None)
+
+
+@checker("8.1", _NUDGE_81)
 def check_mm_chain_hashes(mm_chain_hashes: Callable) -> None:
     """Exercise 8.1: ``mm_chain_hashes(tokens, block_size, seed, hash_fn, images)`` -> hashes."""
     seed = b"checker-seed"
@@ -85,17 +137,23 @@ def check_mm_chain_hashes(mm_chain_hashes: Callable) -> None:
         got_list = list(got) if isinstance(got, (list, tuple)) else got
         if got_list == expected:
             continue
-        if not isinstance(got_list, list) or len(got_list) != len(expected):
-            n = len(got_list) if isinstance(got_list, list) else "?"
-            detail = f"a result of length {n} where {len(expected)} full blocks were expected"
-        else:
-            pairs = zip(got_list, expected, strict=True)
-            first = next(i for i, (x, y) in enumerate(pairs) if x != y)
-            detail = f"hashes that agree with the expected ones up to block {first} only"
-        _fail("8.1", f"mm_chain_hashes(tokens={tokens}, block_size={bs}, images={images}) "
-                     f"returned {detail}.")
+        call = (f"mm_chain_hashes(tokens={tokens}, block_size={bs}, seed, sha256_hash, "
+                f"images={images})")
+        if not isinstance(got_list, list):
+            expect(False, f"{call} returned {got!r}; expected a list of {len(expected)} "
+                          "hashes, one per full block.")
+        if len(got_list) != len(expected):
+            slip = "too many" if len(got_list) > len(expected) else "too few"
+            expect(False, f"{call} returned {len(got_list)} hashes; expected "
+                          f"{len(expected)}, one per full block of {bs} tokens "
+                          f"({len(tokens)} tokens).", _KEY_NUDGES[slip])
+        first = next(i for i, (x, y) in enumerate(zip(got_list, expected, strict=True))
+                     if x != y)
+        what, nudge = _explain_block(got_list, first, tokens, bs, seed, images)
+        expect(False, f"{call} returned hashes that first differ at block {first} (tokens "
+                      f"{first * bs}..{(first + 1) * bs - 1}): {what}", nudge)
     passed("8.1", f"your chain with images matches vLLM's extra keys on "
-                           f"{len(IMAGE_CASES)} prompts")
+                  f"{len(IMAGE_CASES)} prompts")
 
 
 # ---------------------------------------------------------------- 8.2 predicting a hit
@@ -127,6 +185,8 @@ def _hash_hit(cached: Sequence[Sequence[int]], prompt: Sequence[int], bs: int) -
     return cache.match_prefix(list(prompt)[:-1]).cached_len
 
 
+@checker("8.2", "A lookup stops at the first block whose hash is missing, it only ever sees "
+                "full blocks, and it never covers the prompt's last token.")
 def check_hash_hit(hash_hit: Callable) -> None:
     """Exercise 8.2: ``hash_hit(cached_prompts, prompt, block_size)`` -> tokens served."""
     for cached, prompt, bs in HIT_CASES:
@@ -134,8 +194,8 @@ def check_hash_hit(hash_hit: Callable) -> None:
         got = call_reader(f"hash_hit({cached}, {prompt}, {bs})", hash_hit,
                           [list(p) for p in cached], list(prompt), bs)
         ok = isinstance(got, int) and not isinstance(got, bool) and got == expected
-        _check("8.2", ok, f"hash_hit(cached_prompts={cached}, prompt={prompt}, "
-                          f"block_size={bs}) returned {got!r}, expected {expected}.")
+        expect(ok, f"hash_hit(cached_prompts={cached}, prompt={prompt}, "
+                   f"block_size={bs}) returned {got!r}, expected {expected}.")
     passed("8.2", f"{len(HIT_CASES)} hits predicted without running a cache")
 
 
@@ -175,13 +235,15 @@ def _queue_order(trace) -> list[int]:
     return queue
 
 
+@checker("8.3", "A block joins the queue only when its count reaches zero, and a request's "
+                "blocks are released last block first.")
 def check_free_queue_order(free_queue_order: Callable) -> None:
     """Exercise 8.3: ``free_queue_order(trace)`` -> block ids in eviction order, head first."""
     for trace in QUEUE_CASES:
         expected = _queue_order(trace)
         got = as_int_list(call_reader(f"free_queue_order({trace})", free_queue_order,
                                       [(e, r, list(b)) for e, r, b in trace]))
-        _check("8.3", got == expected,
+        expect(got == expected,
                f"free_queue_order({trace}) returned {got}, expected {expected} (the block "
                "evicted first comes first).")
     passed("8.3", "the free queue's order predicted on "
@@ -226,6 +288,8 @@ EXTRACT_CASES = [
 ]
 
 
+@checker("8.4", "The probe that matches one token more than the others is the fastest; a "
+                "wrong probe that gets cached matches no more of the secret than before.")
 def check_extract_prompt(extract_prompt: Callable) -> None:
     """Exercise 8.4: ``extract_prompt(probe, vocab, length)`` -> the cached secret's tokens."""
     for i, (vocab, secret, noise) in enumerate(EXTRACT_CASES):
@@ -233,11 +297,11 @@ def check_extract_prompt(extract_prompt: Callable) -> None:
         got = as_int_list(call_reader(f"extract_prompt(probe, {vocab}, {len(secret)})",
                                       extract_prompt, server.probe, list(vocab), len(secret)))
         budget = len(secret) * len(vocab) + 1
-        _check("8.4", got == secret,
+        expect(got == secret,
                f"extract_prompt(probe, vocab={vocab}, length={len(secret)}) returned {got}, "
                f"expected the secret {secret} (TTFT noise up to {noise * 1e3:.0f} ms, "
                f"{server.probes} probes used).")
-        _check("8.4", server.probes <= budget,
+        expect(server.probes <= budget,
                f"extract_prompt used {server.probes} probes for a {len(secret)}-token secret "
                f"over {len(vocab)} tokens; {budget} are enough (one per candidate per "
                "position, plus one).")

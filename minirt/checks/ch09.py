@@ -297,10 +297,31 @@ REPLICATION_CASES = [
     (20, 600, 30, 20, 300, 4),
 ]
 
-_NUDGE_94 = ("Try every k from 1 to the number of replicas and compute each replica's "
-             "tokens: a replica that gets hot requests computes the prefix once, and each "
-             "cold request then goes to whichever replica has the least so far. Among "
-             "equal busiest loads, prefer fewer tokens in all.")
+_NUDGE_94 = ("Reread the model in the exercise and recount one k by hand: which replicas get "
+             "hot requests, what each of them computes, and where each cold request goes.")
+
+
+def _replication_nudge(got, want: tuple[int, int, int], args: tuple) -> str | None:
+    """A nudge for the kind of mistake ``got`` shows: wrong loads for its own k, a k that
+    is not the best, or a tie broken the wrong way; None if it cannot tell."""
+    replicas = args[-1]
+    try:
+        gk, gb, gt = (int(x) for x in got)
+    except (TypeError, ValueError):
+        return "Return a tuple of three ints: (k, busiest, total)."
+    if not 1 <= gk <= replicas:
+        return f"k counts the replicas the hot tenant is spread over: 1 to {replicas}."
+    loads = spread_loads(gk, *args)
+    if (gb, gt) != (max(loads), sum(loads)):
+        return (f"Your busiest and total are not what your own k = {gk} gives. Recount one k: "
+                "the prefix once on each replica that gets hot requests, the hot requests "
+                "dealt as evenly as possible, and each cold request to the replica with the "
+                "least work so far, ties to the lowest index.")
+    if max(loads) > want[1]:
+        return ("Another k leaves the busiest replica less work than yours: is every k from 1 "
+                "to the number of replicas compared?")
+    return ("Several k leave the busiest replica the same work here: the smaller total "
+            "wins, then the smaller k.")
 
 
 @checker("9.4", _NUDGE_94)
@@ -317,30 +338,58 @@ def check_best_replication(fn: Callable) -> None:
         expect(ok, f"best_replication(n_hot={args[0]}, prefix_len={args[1]}, "
                    f"suffix_len={args[2]}, n_cold={args[3]}, cold_len={args[4]}, "
                    f"replicas={args[5]}) returned {got!r}; expected (k, busiest, total) = "
-                   f"{want}.")
+                   f"{want}.", None if ok else _replication_nudge(got, want, args))
     passed("9.4", f"the best spread of {len(REPLICATION_CASES)} skewed workloads")
 
 
 # The workloads of Exercise 9.4's prediction: (n_hot, prefix_len, suffix_len, n_cold,
-# cold_len, replicas), named as the exercise names them.
+# cold_len, replicas), keyed as the exercise names them. None is in REPLICATION_CASES, so
+# the code check's messages never give a prediction away; their best k are 3, 2 and 1.
 SPREAD_GUESS_CASES = {
-    "long prefix, few hot": (3, 1000, 10, 30, 100, 4),
-    "short prefix, many hot": (40, 200, 50, 4, 60, 4),
-    "hot tenant alone": (12, 400, 20, 0, 0, 4),
+    "A": (9, 600, 50, 4, 100, 4),
+    "B": (16, 300, 50, 6, 200, 4),
+    "C": (12, 300, 10, 10, 200, 4),
 }
 
+_NUDGE_94_FEW = ("Work out the busiest replica's tokens at your k and at k + 1: does one more "
+                 "copy of the prefix cost less than the hot requests it takes off the busiest "
+                 "replica?")
+_NUDGE_94_MANY = ("Every replica that gets hot requests computes the prefix again, and the "
+                  "cold requests fill whatever the hot tenant leaves idle. Work out the "
+                  "busiest replica's tokens at your k and at k - 1: which replica is the "
+                  "busiest, and what is it computing?")
 
-@checker("9.4 prediction", "Ask what the busiest replica computes when the hot tenant "
-         "stays on one replica, and what each extra replica costs in prefix copies.")
+
+@checker("9.4 prediction", "Work out the busiest replica's tokens for each k from 1 to 4 "
+         "on paper, as the model in the text describes it.")
 def check_spread_guesses(guesses: dict) -> None:
-    """Exercise 9.4, the prediction: ``guesses`` maps each name of ``SPREAD_GUESS_CASES`` to
-    the number of replicas (1..replicas) the hot tenant is best spread over."""
+    """Exercise 9.4, the prediction: ``guesses`` maps each name of ``SPREAD_GUESS_CASES``
+    ("A", "B", "C") to the number of replicas (an int, 1..replicas) the hot tenant is best
+    spread over.
+
+    A wrong guess is named with the work it leaves the busiest replica, never with the
+    right k; the nudge on a repeat depends on whether the guess spread too little or too
+    much.
+    """
+    form = '{"A": k, "B": k, "C": k}, each k an int from 1 to 4'
     expect(isinstance(guesses, dict) and set(guesses) == set(SPREAD_GUESS_CASES),
-           f"guesses must be a dict with the keys {sorted(SPREAD_GUESS_CASES)}; got "
-           f"{sorted(guesses) if isinstance(guesses, dict) else guesses!r}.")
+           f"my_guesses must be a dict {form}; got "
+           f"{sorted(guesses) if isinstance(guesses, dict) else guesses!r}"
+           f"{' as its keys' if isinstance(guesses, dict) else ''}.")
+    for name, args in SPREAD_GUESS_CASES.items():
+        guess = guesses[name]
+        expect(any(same_int(guess, k) for k in range(1, args[-1] + 1)),
+               f"the guess for {name!r} is {guess!r}; my_guesses must be {form}.")
     wrong = [name for name, args in SPREAD_GUESS_CASES.items()
              if not same_int(guesses[name], best_replication(*args)[0])]
-    expect(not wrong, f"your guess for {wrong[0]!r} (n_hot, prefix_len, suffix_len, n_cold, "
-                      f"cold_len, replicas = {SPREAD_GUESS_CASES[wrong[0]]}) was "
-                      f"{guesses[wrong[0]]!r}; it is not the best k." if wrong else "")
+    if wrong:
+        name, args = wrong[0], SPREAD_GUESS_CASES[wrong[0]]
+        guess, best = int(guesses[name]), best_replication(*args)[0]
+        busiest = max(spread_loads(guess, *args))
+        expect(False, f"{len(wrong)} of {len(SPREAD_GUESS_CASES)} guesses are not the best k. "
+                      f"Workload {name!r} (n_hot, prefix_len, suffix_len, n_cold, cold_len, "
+                      f"replicas = {args}): with the hot tenant on {guess} replica"
+                      f"{'s' if guess > 1 else ''} the busiest replica computes {busiest} "
+                      f"tokens, and another k leaves it less.",
+               _NUDGE_94_FEW if guess < best else _NUDGE_94_MANY)
     passed("9.4", f"all {len(SPREAD_GUESS_CASES)} predictions right")
