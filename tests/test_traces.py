@@ -224,3 +224,35 @@ def test_unique_tokens_of_the_shipped_trace_against_brute_force_on_its_head():
     prompts = head.token_ids(2)
     assert head.unique_tokens(2) == _reference_unique(prompts)
     assert head.block_lookups == sum(len(r.hash_ids) for r in head)
+
+
+# ------------------------------------------------------------------ benchmarks/traces.py
+
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "traces.py"
+    spec = importlib.util.spec_from_file_location("bench_traces", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(TRACES))
+def test_benchmark_table_on_the_head_of_each_trace_never_beats_belady(name):
+    bench = _bench()
+    head = Trace(name, load_trace(name).requests[:60])
+    rows, failures = bench.policy_table(head)
+    assert failures == []
+    assert len(rows) == len(bench.FRACTIONS) and all(r.startswith(name) for r in rows)
+
+
+def test_benchmark_reports_a_policy_above_belady(monkeypatch):
+    bench = _bench()
+    monkeypatch.setattr(bench, "belady_hit_rate", lambda prompts, cap: 0.0)
+    head = Trace("conversation", load_trace("conversation").requests[:60])
+    _, failures = bench.policy_table(head)
+    assert any("lru" in f and "above Belady" in f for f in failures)
+    assert not any("Belady fell" in f for f in failures)  # 0.0 every time: not a fall
