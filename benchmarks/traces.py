@@ -19,11 +19,22 @@
    trace, the cost per block lookup of the radix LRU replay and of Belady at one token per
    block against 512 (the traces' block), and what the whole trace would take at 512.
 
+The policies are minirt's (``minirt.eviction.POLICIES``). SGLang's ``--radix-eviction-policy``
+offers lru, lfu, slru, priority and tlru
+(sglang 0.5.23 `srt/arg_groups/choices.py: RADIX_EVICTION_POLICY_CHOICES`); minirt has
+neither SLRU nor tail-optimized LRU
+(sglang 0.5.23 `srt/mem_cache/evict_policy.py: SLRUStrategy, TLRUStrategy`), so they are
+not measured here. FIFO is in SGLang's table of strategies
+(sglang 0.5.23 `srt/mem_cache/utils.py: _EVICTION_POLICY_FACTORIES`) but not a choice of
+the flag. The hash cache has one order, vLLM's free queue, and no policy to choose.
+
 Part 1 runs at ``block_size=1``: each hash id is one token, so a capacity is in blocks
 of 512 tokens and a hit rate is a share of blocks. The radix cache at page size 1 then
-caches a repeated partial last block as a hit, as SGLang's would at page size 1; the hash
-cache never hits a prompt's last block (it matches ``prompt[:-1]``, as vLLM caps a hit at
-``num_tokens - 1``, and caches whole blocks only). The hash cache hashes with Python's
+counts a repeated partial last block as a hit, as any token-granular cache would; the hash
+cache never hits a prompt's last block: it matches ``prompt[:-1]``, as vLLM caps a hit at
+``num_tokens - 1``
+(vllm 0.32.0 `v1/core/kv_cache_manager.py: KVCacheManager.get_computed_blocks`),
+and caches whole blocks only. It hashes with Python's
 ``hash`` (deterministic for ints; the hit rate does not depend on the hash function
 short of a collision). Hit rates are deterministic; the wall times are not, and depend on
 the load of the machine (printed).
