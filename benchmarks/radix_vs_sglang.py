@@ -2,9 +2,11 @@
 
     .venv/bin/python benchmarks/radix_vs_sglang.py [--repeats 5] [--quick]
 
-The peer is SGLang 0.5.23's own ``python/sglang/srt/mem_cache/radix_cache.py`` with the
-three files it needs (``base_prefix_cache.py``, ``evict_policy.py``,
-``cache_init_params.py``), read unchanged from the published wheel. The wheel is
+The peer is SGLang's own sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache` with
+the three files it needs, sglang 0.5.23 `srt/mem_cache/base_prefix_cache.py`,
+sglang 0.5.23 `srt/mem_cache/evict_policy.py` and
+sglang 0.5.23 `srt/mem_cache/cache_init_params.py`, read unchanged from the published
+wheel (its ``python/sglang/`` folder). The wheel is
 fetched once with ``pip download --no-deps`` into ``~/.cache/minirt/peers`` (or
 ``$MINIRT_PEERS``); only those four files are loaded, beside minimal stand-ins for
 their other imports (KV events and metrics off, as in SGLang's defaults).

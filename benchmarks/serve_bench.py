@@ -219,10 +219,11 @@ def near_ties(cases: list[dict], model_path: str, tested: str,
         for server, text in case["texts"].items():
             name = server
             if echo.endswith("\ufffd") and text.startswith(echo):
-                # vLLM primes a tokenizers DecodeStream with the prompt's ids (vllm 0.32.0
-                # `v1/engine/detokenizer.py: FastIncrementalDetokenizer`); when the decoded
-                # prompt ends in U+FFFD the first token's text carries the whole prompt's
-                # (vllm-project/vllm#48853, open). The tokens after it are what is compared.
+                # vLLM primes a tokenizers DecodeStream with the prompt's ids in
+                # vllm 0.32.0 `v1/engine/detokenizer.py: FastIncrementalDetokenizer`
+                # When the decoded prompt ends in U+FFFD the first token's text carries the
+                # whole prompt's (vllm-project/vllm#48853, open). The tokens after it are
+                # what is compared.
                 text = text[len(echo):]
                 name = (f"{server}'s text begins with the prompt's own (the prompt ends in "
                         f"U+FFFD: vllm-project/vllm#48853); after it, {server}")
