@@ -1,14 +1,15 @@
 """Production request traces as streams of requests, with token ids made from their block hashes.
 
-Mooncake's FAST'25 release publishes one hour of Kimi's traffic as JSON lines, one request
-a line: ``timestamp`` (arrival, in milliseconds from the trace's start), ``input_length``
-and ``output_length`` (tokens), and ``hash_ids``, one id per 512-token block of the prompt
-(``FAST25-release/README.md`` of github.com/kvcache-ai/Mooncake). The text itself is not
-published; equal hash ids mean equal prefixes, so a prefix cache can be replayed on the
-ids alone. minirt ships two of the traces, gzip-compressed, in ``minirt/data/traces/``
-(``NOTICE`` there names the source commit; ``LICENSE`` is the source's licence), and
-checks each file's SHA-256 on every load, so a replay needs no network and cannot
-silently read a different file.
+Mooncake's FAST'25 release publishes request traces (the conversation trace sampled from
+one hour of online requests; the synthetic one built from public datasets, its arrivals
+drawn from a Poisson process) as JSON lines, one request a line: ``timestamp`` (arrival,
+in milliseconds from the trace's start), ``input_length`` and ``output_length`` (tokens),
+and ``hash_ids``, one id per 512-token block of the prompt (``FAST25-release/README.md``
+of github.com/kvcache-ai/Mooncake). The text itself is not published; equal hash ids mean
+equal prefixes, so a prefix cache can be replayed on the ids alone. minirt ships two of
+the traces, gzip-compressed, in ``minirt/data/traces/`` (``NOTICE`` there names the source
+commit; ``LICENSE`` is the source's licence), and checks each file's SHA-256 on every
+load, so a replay needs no network and cannot silently read a different file.
 
 Token ids are synthesized: hash id ``h`` becomes the block ``h * block_size, h * block_size
 + 1, ...``, so distinct ids give disjoint blocks and two requests share exactly the
