@@ -1,4 +1,4 @@
-"""Production request traces as streams of requests, with token ids made from their block hashes.
+"""Mooncake's public request traces as request streams, token ids made from their block hashes.
 
 Mooncake's FAST'25 release publishes request traces (the conversation trace sampled from
 one hour of online requests; the synthetic one built from public datasets, its arrivals
