@@ -16,7 +16,7 @@ Rust: an item name, then fields, variants or functions), and flags "loose" citat
 code span naming an upstream ``.py``/``.rs`` file outside this form. It prints a table and
 exits 1 if anything is missing or loose.
 
-    python tools/check_citations.py            # chapters/, solutions/, README.md, minirt/
+    python tools/check_citations.py            # chapters/, solutions/, README.md, minirt/, benchmarks/, tools/
     python tools/check_citations.py --all      # every citation, not only the failing ones
 """
 
@@ -69,7 +69,7 @@ SOURCE_PATH = re.compile(r"[\w./-]*\w\.(?:py|rs)\b")
 # Paths that are not SGLang's, vLLM's or the router's, and need no pin.
 OTHER_PROJECTS = ("src/transformers/", "transformers/", "python/minisgl/", "minisgl/")
 _JOINED_LITERALS = re.compile(r"([\"'])\s*\n\s*\1(?=\S)")  # "...a, "\n    "b..." -> "...a, b..."
-TEXT_SOURCES = ("chapters", "solutions", "README.md", "minirt")
+TEXT_SOURCES = ("chapters", "solutions", "README.md", "minirt", "benchmarks", "tools")
 
 
 @dataclass(frozen=True)
@@ -320,7 +320,7 @@ def report(results: list[Result], show_all: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("paths", nargs="*", type=Path,
-                    help="files or folders to scan (default: chapters, solutions, README, minirt)")
+                    help="files or folders to scan (default: chapters, solutions, README, minirt, benchmarks, tools)")
     ap.add_argument("--cache", type=Path, default=None, help="where the pinned archives live")
     ap.add_argument("--all", action="store_true", help="list resolved citations too")
     args = ap.parse_args(argv)
