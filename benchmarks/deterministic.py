@@ -31,23 +31,29 @@ from minirt.model import load_model
 
 
 def probe(rows: list[int]) -> None:
-    """Bit classes of row 0 of a GEMM by row count, fp32 and bf16, on a layer's shape."""
+    """For the plain and the prepacked (oneDNN) GEMM, fp32 and bf16, on a layer's shape, at
+    torch's thread count: the row counts M at which some row of ``x[:M] @ w.T`` has other
+    bits than the same row alone, padded to ``MIN_ROWS`` rows (every row, not only row 0)."""
+    from minirt.forward import MIN_ROWS
+    from minirt.model import _linear
+
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(1536, 576, generator=gen).to(dtype)
         x = torch.randn(max(rows), 576, generator=gen).to(dtype)
-        classes: list[tuple[list[int], torch.Tensor]] = []
-        for m in rows:
-            row = torch.nn.functional.linear(x[:m], w)[0]
-            for members, bits in classes:
-                if torch.equal(bits, row):
-                    members.append(m)
-                    break
-            else:
-                classes.append(([m], row))
-        print(f"probe {dtype}: rows giving the same bits for row 0: "
-              + "; ".join(f"{c[0][0]}..{c[0][-1]} ({len(c[0])} counts)" if len(c[0]) > 3
-                          else str(c[0]) for c in classes))
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        for kernel, product in (("plain", lambda a, w=w: torch.nn.functional.linear(a, w)),
+                                ("prepacked", lambda a, w=w, p=packed: _linear(a, w, None, p))):
+            pad = x.new_zeros(MIN_ROWS - 1, x.shape[1])
+            moved = []
+            for m in rows:
+                y = product(x[:m])
+                bad = [r for r in range(m)
+                       if not torch.equal(y[r], product(torch.cat([x[r:r + 1], pad]))[0])]
+                if bad:
+                    moved.append(f"{m}: rows {bad[:4]}{'...' if len(bad) > 4 else ''}")
+            print(f"probe {dtype} {kernel}, {torch.get_num_threads()} threads: counts with "
+                  f"rows other than alone: {'; '.join(moved) or 'none'}")
 
 
 def ttft(model, deterministic: bool, prompt: list[int], cached: int) -> float:
@@ -107,7 +113,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.probe:
-        probe(list(range(1, 17)) + [31, 32, 64, 127, 128, 256, 512, 1064])
+        probe(list(range(1, 17)) + [31, 32, 64, 127])
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model, _ = load_model(device="cpu", dtype=dtype)
     print(f"{args.dtype}, torch threads {torch.get_num_threads()}, load average "

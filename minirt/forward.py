@@ -131,10 +131,12 @@ def _run(model, parts: Sequence[_Rows], deterministic: bool = False) -> list[tor
 
 MIN_ROWS = 4
 """The fewest rows a matrix product gets in deterministic mode. Measured with torch 2.13's
-CPU build (``benchmarks/deterministic.py --probe``): in fp32 a row of ``x @ w.T`` comes out
-of one kernel for 1 row, another for 2-3 rows and a third for 4 or more (every count up to
-1,064 tested gives the 4-row bits); in bf16 one kernel serves every count. Padding to 4
-rows puts every step, decode of one request included, on the same kernel."""
+CPU build at 2 threads (``benchmarks/deterministic.py --probe``, every row of each count):
+on oneDNN's prepacked weights, which the mode runs in fp32 and bf16
+(``_prepack_for_determinism``), every row of a product of 4 rows or more has the bits of
+the same row alone padded to 4 rows; one row takes a matrix-vector path (and, in the
+default mode, ``kernels.gemv``). torch's plain kernels also move rows by their place in
+the batch and with the thread count, which padding alone does not fix."""
 
 CHUNK = 256
 """Keys per attention chunk in deterministic mode, chunk ``c`` holding absolute positions
