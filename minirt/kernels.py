@@ -17,7 +17,8 @@ the flags and the CPU, and loaded with ctypes; their OpenMP calls go to the
 ``libgomp.so.1`` torch has already loaded, so they run on torch's threads. Where there
 is no compiler, the build or the load fails (logged at INFO), ``MINIRT_KERNELS=0`` is
 set, or the tensors are not fp32 on the CPU, they return None (``rope``: False) and the
-caller uses torch's operations: the same values to within rounding.
+caller uses torch's operations: the same values to within rounding. The book's
+appendix 06b (``chapters/06b_kernels.ipynb``) explains each one and checks it.
 """
 
 from __future__ import annotations
