@@ -5,14 +5,25 @@ fixed-size state forward token by token; its "cache" for a prefix is the state a
 prefix's last position, not a K/V per token. A cached prefix is therefore usable only if
 a state was *saved* at exactly its end, beside the attention layers' K/V for all of it.
 
-* ``LinearRecurrence``: a toy state layer, ``h_t = decay * h_{t-1} + embed[x_t]``. Running
-  a suffix from a saved state gives bit for bit the state of running the whole sequence;
-  there is nothing to continue from at a position with no saved state.
-* ``StateCache``: the attention K/V in a ``RadixCache`` and states saved at chunk
-  boundaries (every ``interval`` tokens, SGLang's ``mamba_cache_chunk_size``, vLLM's
-  "align" mode at ``i * block_size``) and, if ``save_ends``, where a request ended. A
-  match is the longest prefix that ends at a saved state and has its K/V. ``serve`` plays
-  a trace through it and counts hits and memory.
+* ``LinearRecurrence``: a toy state layer, ``h_t = decay * h_{t-1} + embed[x_t]``. ``run``
+  is the sequential loop: resuming it from a saved state is bitwise the whole run, which
+  shows only that the state is the whole memory of the prefix. ``scan`` is the chunked
+  form real prefill kernels use (a closed form per chunk of ``chunk`` tokens, counted from
+  where the run starts): resuming from a state saved on the chunk grid repeats the uncached
+  run's operations, so its bits; resuming off the grid regroups the sums (equal in real
+  arithmetic, not in bits). That is why engines checkpoint on the kernel's chunk grid.
+* ``StateCache``: the attention K/V in a ``RadixCache`` and states saved by rules that
+  follow the engines' checkpoints. A request's uncached part is prefilled in steps of
+  ``chunk`` tokens (None: one step). ``interval``: each step saves one state, at the last
+  multiple of ``interval`` it reaches (SGLang's extra buffer, ``mamba_cache_chunk_size``;
+  vLLM's "align" mode, whose steps end on the block grid). ``save_ends``: each step saves
+  the state at its own end, the request's end included (SGLang's ``no_buffer``, page size
+  1). ``branch``: a request whose K/V match reaches past its usable prefix also saves the
+  state at that point, rounded down to the grid (SGLang's ``mamba_branching_seqlen``,
+  vLLM's shared-prefix junction). ``chunk=interval`` saves a state at every multiple of
+  ``interval``, denser than either engine. A match is the longest prefix that ends at a
+  saved state and has its K/V. ``serve`` plays a trace through it and counts hits and
+  memory.
 """
 
 from __future__ import annotations
@@ -50,6 +61,25 @@ class LinearRecurrence:
             h = self.decay * h + self.embed[t]
         return h
 
+    def scan(self, ids: Sequence[int], state: torch.Tensor | None = None, chunk: int = 8
+             ) -> torch.Tensor:
+        """The state after ``ids`` from ``state``, chunk by chunk in float32, as a chunked
+        prefill kernel computes it: for each ``chunk`` tokens counted from the start of
+        ``ids``, ``h = decay**L * h + sum_j decay**(L-1-j) * embed[x_j]`` (one weighted sum
+        per chunk, not ``L`` steps). Equal to ``run`` in real arithmetic; its bits depend on
+        where the chunks start."""
+        if not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        decay, embed = self.decay.float(), self.embed.float()
+        h = torch.zeros(self.dim) if state is None else state.float().clone()
+        ids = as_ids(ids).tolist()
+        for start in range(0, len(ids), chunk):
+            x = embed[ids[start:start + chunk]]
+            n = x.shape[0]
+            powers = decay ** torch.arange(n - 1, -1, -1, dtype=torch.float32)[:, None]
+            h = decay ** n * h + (powers * x).sum(0)
+        return h
+
 
 def prefix_keys(ids: Sequence[int]) -> list[int]:
     """A key per prefix length 1..n, chained (key i covers ids[:i]): one hash per token
@@ -84,17 +114,25 @@ class StateTrace:
 
 
 class StateCache:
-    """Attention K/V for every cached token, states only at saved positions.
+    """Attention K/V for every cached token, states only where a rule saved one.
 
-    ``interval``: save a state every ``interval`` tokens of a prefill (None: never);
-    ``save_ends``: save one where each request's computed tokens end. No capacity limit:
+    ``interval``: the checkpoint grid; each prefill step saves one state, at the last
+    multiple of ``interval`` it reaches (None: no grid states). ``save_ends``: each step
+    saves the state at its own end (with ``chunk`` None, only the request's end).
+    ``chunk``: the prefill step in tokens, counted from the usable prefix (None: the
+    whole uncached part in one step). ``branch``: a request whose K/V match reaches past
+    its usable prefix saves a state there, rounded down to the grid. No capacity limit:
     it measures what each saving rule can hit and what it holds.
     """
 
-    def __init__(self, interval: int | None, save_ends: bool = True) -> None:
-        if interval is not None and (not isinstance(interval, int) or interval < 1):
-            raise ValueError(f"interval must be a positive int or None, got {interval!r}")
+    def __init__(self, interval: int | None, save_ends: bool = True, *, chunk: int | None = None,
+                 branch: bool = False) -> None:
+        for name, value in (("interval", interval), ("chunk", chunk)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         self.interval, self.save_ends = interval, save_ends
+        self.chunk, self.branch = chunk, branch
         self.kv = RadixCache()
         self.saved: set[int] = set()  # prefix keys with a saved state
         self._next_slot = 0
@@ -107,6 +145,23 @@ class StateCache:
         usable = next((p for p in range(kv_len, 0, -1) if keys[p - 1] in self.saved), 0)
         return usable, kv_len
 
+    def checkpoints(self, n: int, usable: int, kv_len: int) -> list[int]:
+        """The positions (prefix lengths, sorted) at which a request of ``n`` tokens saves
+        a state, given its usable prefix and its K/V match."""
+        points: set[int] = set()
+        step = self.chunk or max(n - usable, 1)
+        for start in range(usable, n, step):
+            end = min(start + step, n)
+            if self.interval is not None and end // self.interval * self.interval > start:
+                points.add(end // self.interval * self.interval)
+            if self.save_ends:
+                points.add(end)
+        if self.branch and kv_len > usable:
+            point = kv_len if self.interval is None else kv_len // self.interval * self.interval
+            if point > usable:
+                points.add(point)
+        return sorted(points)
+
     def serve(self, requests: Sequence[Sequence[int]]) -> StateTrace:
         """Each request: match (all but its last token), compute the rest saving states
         by the rules, cache its K/V. Returns the hits and what the cache holds."""
@@ -118,11 +173,6 @@ class StateCache:
             hit += usable
             kv_hit += kv_len
             keys = prefix_keys(ids)
-            if self.interval is not None:  # chunk boundaries the prefill passes
-                first = usable // self.interval + 1
-                self.saved.update(keys[p - 1] for p in
-                                  range(first * self.interval, len(ids) + 1, self.interval))
-            if self.save_ends:
-                self.saved.add(keys[-1])
+            self.saved.update(keys[p - 1] for p in self.checkpoints(len(ids), usable, kv_len))
             _, self._next_slot = insert_fresh(self.kv, ids, self._next_slot)
         return StateTrace(query, hit, kv_hit, self.kv.total_size, len(self.saved))
