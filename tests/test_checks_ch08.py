@@ -82,6 +82,21 @@ def mm_touching(tokens, bs, seed, hash_fn, images):  # off + len >= start, off <
     return out
 
 
+def mm_overlap_rule(start_inclusive_end, end_inclusive_start):
+    """The cold run's two overlap slips: ``off + len >= start`` or ``off <= end``."""
+    def fn(tokens, bs, seed, hash_fn, images):
+        out, parent = [], seed
+        for i in range(len(tokens) // bs):
+            start, end = i * bs, (i + 1) * bs
+            keys = tuple(("mm", h, off - start) for off, n, h in images
+                         if (off <= end if end_inclusive_start else off < end)
+                         and (off + n >= start if start_inclusive_end else off + n > start))
+            parent = hash_fn((parent, tuple(tokens[start:end]), keys or None))
+            out.append(parent)
+        return out
+    return fn
+
+
 def mm_partial_block(tokens, bs, seed, hash_fn, images):  # hashes the partial last block
     out, parent = [], seed
     for i in range(-(-len(tokens) // bs)):
@@ -108,6 +123,8 @@ MM_SLIPS = [
     (mm_empty_tuple, "not an empty tuple"),
     (mm_no_chain, "previous block's hash"),
     (mm_touching, "ends where the block starts"),
+    (mm_overlap_rule(True, False), "ends where the block starts"),
+    (mm_overlap_rule(False, True), "starts where it"),
     (mm_partial_block, "partial last block"),
 ]
 
