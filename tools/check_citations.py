@@ -16,7 +16,7 @@ Rust: an item name, then fields, variants or functions), and flags "loose" citat
 code span naming an upstream ``.py``/``.rs`` file outside this form. It prints a table and
 exits 1 if anything is missing or loose.
 
-    python tools/check_citations.py            # chapters/, solutions/, README.md, minirt/, benchmarks/, tools/
+    python tools/check_citations.py            # everything in TEXT_SOURCES
     python tools/check_citations.py --all      # every citation, not only the failing ones
 """
 
@@ -320,7 +320,7 @@ def report(results: list[Result], show_all: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("paths", nargs="*", type=Path,
-                    help="files or folders to scan (default: chapters, solutions, README, minirt, benchmarks, tools)")
+                    help="files or folders to scan (default: TEXT_SOURCES)")
     ap.add_argument("--cache", type=Path, default=None, help="where the pinned archives live")
     ap.add_argument("--all", action="store_true", help="list resolved citations too")
     args = ap.parse_args(argv)
