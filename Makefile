@@ -71,6 +71,7 @@ test-notebooks: model
 
 test: model lint
 	$(BIN)/python tools/make_exercises.py --check
+	$(BIN)/python tools/check_prose.py
 	TQDM_DISABLE=1 $(BIN)/python -m pytest -q tests $(NBVAL) $(CHAPTERS) $(SOLUTIONS)
 
 # Every SGLang / vLLM / router citation resolved against the pinned releases (downloads them once).
