@@ -79,7 +79,7 @@ _KEY_NUDGES = {
                        "block: an image that ends where the block starts, or starts where it "
                        "ends, does not.",
     "seed parent": "Each block's parent is the previous block's hash; only block 0's parent "
-                   "is the seed.",
+                   "is the argument seed.",
     "too many": "Only full blocks get a hash: a partial last block has none.",
     "too few": "Every full block gets a hash, the last full one too.",
 }
@@ -109,12 +109,12 @@ def _explain_block(got, k: int, tokens, bs: int, seed: bytes, images) -> tuple[s
     parent = seed if k == 0 else got[k - 1]  # blocks before k agree with the reference
     block = tokens[start:end]
     want_keys = _KEY_RULES["right"](images, start, end)
-    parent_name = "the seed" if k == 0 else f"block {k - 1}'s hash"
+    parent_name = "seed" if k == 0 else f"block {k - 1}'s hash"
     expected = (f"expected hash_fn(({parent_name}, tuple(tokens[{start}:{end}]), "
                 f"{want_keys!r}))")
     parents = [(parent_name, parent, None)]
     if k > 0:
-        parents.append(("the seed", seed, "seed parent"))
+        parents.append(("seed", seed, "seed parent"))
     for p_name, p, p_slip in parents:
         for rule, make in _KEY_RULES.items():
             keys = make(images, start, end)
