@@ -67,12 +67,14 @@ MAP: list[MapRow] = [
          "vllm 0.32.0 `benchmarks/datasets/datasets.py` (vllm bench serve --dataset-name)",
          "--dataset-name (both)", "-"),
         ("radix.RadixNode",
-         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: TreeNode, RadixKey` (lock_ref, "
-         "last_access_time, hit_count)",
+         "sglang 0.5.23 `srt/mem_cache/unified_cache/unified_tree_core.py: UnifiedTreeNode` "
+         "(last_access_time, hit_count; lock refs per component); "
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixKey`",
          "no tree: vllm 0.32.0 `v1/core/kv_cache_utils.py: KVCacheBlock` (block_hash, ref_cnt)",
          "-", "SGLang keys a child by RadixKey.child_key_at (first token or first page)"),
         ("radix.RadixNode.split_at",
-         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache._split_node`",
+         "sglang 0.5.23 `srt/mem_cache/unified_cache/unified_tree_core.py: "
+         "UnifiedTreeCore._split_node`",
          "none: blocks have a fixed size and never split", "--page-size", "-"),
     ),
     *_rows(
@@ -81,23 +83,25 @@ MAP: list[MapRow] = [
          "vllm 0.32.0 `v1/core/kv_cache_utils.py: hash_block_tokens` (one hash per full block)",
          "--page-size / --block-size", "-"),
         ("cache.RadixCache.match_prefix",
-         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.match_prefix, RadixKey.match_at`",
+         "sglang 0.5.23 `srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.match_prefix`; "
+         "sglang 0.5.23 `srt/mem_cache/unified_cache/unified_tree_core.py: "
+         "UnifiedTreeCore._match_prefix_helper, UnifiedTreeCore._match_post_processor`",
          "vllm 0.32.0 `v1/core/kv_cache_manager.py: KVCacheManager.get_computed_blocks`; "
          "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.get_cached_block`",
          "--disable-radix-cache / --no-enable-prefix-caching", "-"),
         ("cache.RadixCache.insert_prefix",
-         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.insert, RadixCache.checkpoint`",
+         "sglang 0.5.23 `srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.insert`",
          "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.cache_full_blocks` (from "
          "KVCacheManager.cache_blocks)",
-         "-", "SGLang also caches unfinished requests' K/V between chunks (checkpoint)"),
+         "-", "SGLang also caches unfinished requests' K/V between chunks"),
     ),
     *_rows(
         4,
         ("cache.RadixCache.lock",
-         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.inc_lock_ref`",
+         "sglang 0.5.23 `srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.inc_lock_ref`",
          "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.touch` (ref_cnt += 1)", "-", "-"),
         ("cache.RadixCache.unlock",
-         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.dec_lock_ref`",
+         "sglang 0.5.23 `srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.dec_lock_ref`",
          "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.free_blocks` (tail first into the free "
          "queue)",
          "-", "-"),
@@ -129,7 +133,8 @@ MAP: list[MapRow] = [
     ),
     *_rows(
         5,
-        ("cache.RadixCache.evict", "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.evict`",
+        ("cache.RadixCache.evict",
+         "sglang 0.5.23 `srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.evict`",
          "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.get_new_blocks, "
          "BlockPool._maybe_evict_cached_block`",
          "--radix-eviction-policy", "-"),
@@ -144,11 +149,18 @@ MAP: list[MapRow] = [
          "sglang 0.5.23 `srt/mem_cache/evict_policy.py: PriorityStrategy`", "none",
          "--radix-eviction-policy priority", "-"),
         ("eviction.LeafHeap",
-         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.evict` (heapq over evictable "
-         "leaves)",
+         "sglang 0.5.23 `srt/mem_cache/unified_cache/unified_tree_core.py: "
+         "UnifiedTreeCore.evict_device_leaf` (a heap of evictable leaves; Python core)",
          "vllm 0.32.0 `v1/core/kv_cache_utils.py: FreeKVCacheBlockQueue` (doubly linked list, "
          "O(1))",
          "-", "-"),
+        ("traces.load_trace",
+         "sglang 0.5.23 `benchmark/datasets/mooncake.py: MooncakeDataset` (replays a Mooncake "
+         "trace against a server)",
+         "vllm 0.32.0 `benchmarks/datasets/datasets.py: TimedTrace` (hash ids of "
+         "--timed-trace-chunk-hash-size tokens)",
+         "--dataset-name (both)",
+         "a server-side replay; minirt.traces feeds the caches directly, without a model"),
     ),
     *_rows(
         6,
@@ -309,7 +321,8 @@ MAP: list[MapRow] = [
          "sglang-router 0.3.2 `src/policies/consistent_hashing.rs` (not a --policy choice in "
          "0.3.2; "
          "manual pins a routing key to a worker)", "none", "-",
-         "prefix_hash: a hash of the first tokens instead of a session id"),
+         "prefix_hash (the Rust CLI's --policy only, sglang-router 0.3.2 `src/main.rs: CliArgs`): "
+         "a hash of the first tokens instead of a session id"),
     ),
     *_rows(
         10,
