@@ -25,7 +25,7 @@ import torch
 
 from . import kernels
 from .errors import ModelError, PoolError
-from .model import _GATE_UP, _QKV, _projections, fuse_projections
+from .model import _GATE_UP, _QKV, _projections, prepack_bf16
 from .pool import KVPool, PagedBatch, PageTable, PoolCache, as_index_tensor
 
 __all__ = ["CHUNK", "MIN_ROWS", "QUERY_BLOCK", "HeldPrefix", "LayerKV", "PrefillPart",
@@ -133,7 +133,7 @@ MIN_ROWS = 4
 """The fewest rows a matrix product gets in deterministic mode. Measured with torch 2.13's
 CPU build at 2 threads (``benchmarks/deterministic.py --probe``, every row of each count):
 on oneDNN's prepacked weights, which the mode runs in fp32 and bf16
-(``_prepack_for_determinism``), every row of a product of 4 rows or more has the bits of
+(``model.prepack_bf16``), every row of a product of 4 rows or more has the bits of
 the same row alone padded to 4 rows; one row takes a matrix-vector path (and, in the
 default mode, ``kernels.gemv``). torch's plain kernels also move rows by their place in
 the batch and with the thread count, which padding alone does not fix."""
@@ -145,40 +145,6 @@ Triton backend also splits decode attention at a fixed tile, 256 keys unless
 ``SGLANG_TRITON_DECODE_SPLIT_TILE_SIZE`` says otherwise (sglang 0.5.23
 `srt/layers/attention/triton_backend.py: TritonAttnBackend.__init__`). Measured here: in
 fp32 the per-chunk products need chunks of at least 16 keys to be row-invariant."""
-
-
-def _prepack_for_determinism(model) -> None:
-    """``fuse_projections(model)``, and on CPU in bf16 the same prepacked oneDNN GEMMs that
-    it gives fp32 (idempotent): the plain bf16 kernel splits a product's rows between
-    threads, so a row's bits depend on where it sits in the batch. The model keeps the
-    packed copies, so its default mode runs on them too from then on."""
-    from types import MethodType
-
-    from .model import _linear
-
-    fuse_projections(model)
-    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if reorder is None or not torch.backends.mkldnn.is_available():
-        return
-    def pack(weight: torch.Tensor) -> torch.Tensor | None:
-        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-            return None
-        with torch.no_grad():
-            return reorder(weight.detach(), None)
-
-    linears = []
-    for module in model.modules():
-        if getattr(module, "_minirt_fused", False):
-            if getattr(module, "fused_packed", None) is None:
-                module.fused_packed = pack(module.fused_weight)
-            linears.append(getattr(module, "o_proj", None) or module.down_proj)
-    linears.append(model.get_output_embeddings())
-    for linear in linears:
-        if isinstance(linear, torch.nn.Linear) and getattr(linear, "packed", None) is None:
-            linear.packed = pack(linear.weight)
-            if linear.packed is not None:
-                linear.forward = MethodType(
-                    lambda self, x: _linear(x, self.weight, self.bias, self.packed), linear)
 
 
 def _rows(fn, x: torch.Tensor):
@@ -456,7 +422,7 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     and decode alike. ``share_runs`` is ignored then (each request computes its own tokens).
     The model's projections are fused first (``fuse_projections``, idempotent, as ``Engine``
     does) and, on CPU, run on oneDNN's prepacked weights in bf16 as in fp32
-    (``_prepack_for_determinism``): those GEMMs give a row the same bits wherever it sits in
+    (``model.prepack_bf16``): those GEMMs give a row the same bits wherever it sits in
     the batch, where the plain kernel at 2 threads did not (fp32 on a 2-core AVX2 CPU: rows
     8-10 of 11; bf16 on a 2-core Xeon: row 4 of 9, a batch of 12 prefills or one-token
     steps differing from each request alone).
@@ -464,7 +430,7 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     ids = _new_ids(tables, new_ids)
     if deterministic:
         _require_llama(model)
-        _prepack_for_determinism(model)  # prepacked GEMMs: a row's bits, wherever it sits
+        prepack_bf16(model)  # prepacked GEMMs: a row's bits, wherever it sits
     decode = working is not None and last_only and all(x.numel() == 1 for x in ids)
     if is_llama(model) and (last_only or deterministic):
         part = (working.decode_rows(tables, torch.cat(ids), deterministic) if decode
@@ -512,7 +478,7 @@ def forward_mixed(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     if {id(t) for t in tables} & {id(t) for t in decode_tables}:
         raise PoolError("forward_mixed: a request cannot prefill and decode in one pass")
     if deterministic:
-        _prepack_for_determinism(model)
+        prepack_bf16(model)
     parts = [_prefill_rows(pool, tables, ids, share_runs, deterministic),
              working.decode_rows(decode_tables, torch.cat(tokens), deterministic)]
     prefill, decode = _run(model, parts, deterministic)

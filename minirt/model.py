@@ -37,7 +37,7 @@ __all__ = [
     "cache_dir",
     "default_device",
     "default_dtype",
-    "fetch_default_model", "fuse_projections",
+    "fetch_default_model", "fuse_projections", "prepack_bf16",
     "grouped_decode",
     "load_model",
     "tiny_model",
@@ -302,11 +302,30 @@ def fuse_projections(model, prepack: bool = True) -> int:
     return fused
 
 
-def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
+def prepack_bf16(model) -> None:
+    """``fuse_projections(model)``, and on CPU its bf16 GEMMs on oneDNN's blocked weights
+    too (idempotent). The plain bf16 kernel splits a product's rows between threads, so a
+    row's bits depend on where it sits in the batch; the deterministic mode needs the
+    packed kernel (chapter 10). The model keeps the copies: its default mode runs on them
+    from then on, as it does in fp32."""
+    fuse_projections(model)
+    bf16 = (torch.bfloat16,)
+    for module in model.modules():
+        if getattr(module, "_minirt_fused", False) and module.fused_packed is None:
+            module.fused_packed = _prepack(module.fused_weight, bf16)
+            out = getattr(module, "o_proj" if hasattr(module, "o_proj") else "down_proj")
+            _prepack_linear(out, True, bf16)
+    head = model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear) and getattr(head, "packed", None) is None:
+        _prepack_linear(head, True, bf16)
+
+
+def _prepack(weight: torch.Tensor,
+             dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> torch.Tensor | None:
     """``weight`` in oneDNN's blocked layout for CPU GEMMs, or None where that is not
-    available (another device or dtype, a torch without oneDNN)."""
+    available (another device, a dtype outside ``dtypes``, a torch without oneDNN)."""
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or reorder is None
+    if (weight.device.type != "cpu" or weight.dtype not in dtypes or reorder is None
             or not torch.backends.mkldnn.is_available()):
         return None
     with torch.no_grad():
@@ -324,11 +343,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _prepack_linear(linear: torch.nn.Linear, prepack: bool) -> None:
+def _prepack_linear(linear: torch.nn.Linear, prepack: bool,
+                    dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
     """Let an ``nn.Linear`` run on a prepacked copy of its weight (see ``_linear``)."""
     from types import MethodType
 
-    linear.packed = _prepack(linear.weight) if prepack else None
+    linear.packed = _prepack(linear.weight, dtypes) if prepack else None
     if linear.packed is not None:
         linear.forward = MethodType(
             lambda self, x: _linear(x, self.weight, self.bias, self.packed), linear)
