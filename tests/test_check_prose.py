@@ -63,6 +63,7 @@ def test_adopted_notebooks_pass(rel):
     report = cp.check_notebook(_load(rel), rel)
     assert report.problems == [], "\n".join(map(str, report.problems))
     assert report.tagged + report.declared > 0
+    assert report.baseline == 0, f"{rel} is listed as reviewed but has a baseline"
 
 
 def test_item1_fcfs_passes_planted_back():
@@ -169,6 +170,21 @@ def test_untagged_numbers_are_flagged_until_declared_and_again_after_an_edit():
     whats = {p.number: p.what for p in cp.check_notebook(nb).problems}
     assert "neither tagged nor declared" in whats["48"]
     assert "stale declaration" in whats["pool of 40 tokens holds"]
+
+
+def test_a_baseline_passes_until_an_edit_and_a_reviewed_accept_clears_it():
+    nb = _nb(new_markdown_cell("## A\nA pool of 40 tokens holds one family; eight wait."))
+    assert cp.accept(nb, baseline=True) == 2
+    meta = nb.cells[0].metadata
+    assert "prose_numbers" not in meta and len(meta["prose_numbers_baseline"]) == 2
+    report = cp.check_notebook(nb)
+    assert report.problems == [] and report.baseline == 2 and report.declared == 0
+    nb.cells[0].source = nb.cells[0].source.replace("eight wait", "nine wait")
+    assert {p.number for p in cp.check_notebook(nb).problems} == {"nine", "one family eight wait"}
+    assert cp.accept(nb) == 2
+    assert "prose_numbers_baseline" not in meta and len(meta["prose_numbers"]) == 2
+    assert cp.accept(nb, baseline=True) == 0      # reviewed keys stay reviewed
+    assert len(meta["prose_numbers"]) == 2 and "prose_numbers_baseline" not in meta
 
 
 def test_accept_refuses_while_a_tag_is_wrong():

@@ -44,12 +44,12 @@ the notebook.
 
 Usage::
 
-    python tools/check_prose.py                      # the adopted notebooks (ADOPTED)
+    python tools/check_prose.py                      # every notebook in chapters/, solutions/
     python tools/check_prose.py NB.ipynb ...         # these notebooks
-    python tools/check_prose.py --book               # every notebook in chapters/, solutions/
-    python tools/check_prose.py --count --book       # untagged numbers per notebook, read only
+    python tools/check_prose.py --count              # untagged numbers per notebook, read only
     python tools/check_prose.py --accept NB.ipynb    # declare NB's current untagged numbers
     python tools/check_prose.py --accept NB --cell ID  # ... in one cell only
+    python tools/check_prose.py --accept --baseline NB # ... as a baseline, not yet reviewed
 
 Check mode prints one line per problem (notebook, cell id, the number, its sentence) and
 exits 1 if there is any.
@@ -60,7 +60,11 @@ it yet, re-execute, and put ``<!--=name-->`` after the number in the prose); the
 ``--accept`` on the notebook, which writes, for every markdown cell, the keys of its
 numbers that are still neither exempt nor tagged into ``metadata["prose_numbers"]``
 (and drops stale keys); review that diff (every declared key must be a fixed fact, not
-a computed number), then add the notebook to ``ADOPTED`` below. ``--accept`` never
+a computed number), then add the notebook to ``ADOPTED`` below (the notebooks whose
+every number is tagged or reviewed). ``--accept --baseline`` writes the keys under
+``metadata["prose_numbers_baseline"]`` instead: numbers accepted in bulk, as they stood
+after a reading, so that the check guards every later edit while the review of each
+number is still to do; ``--count`` shows how many each notebook still has. ``--accept`` never
 touches a tag and refuses to run while a tag mismatches, so it cannot paper over a
 wrong computed value. It rewrites only the notebook's cell metadata, in nbformat's own
 layout; run ``tools/make_exercises.py`` after accepting a solution notebook.
@@ -78,15 +82,18 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Notebooks whose prose `make test` checks. The rest of the book adopts the rule through
-# `--accept` (see the docstring); `--book` checks everything.
+# Notebooks whose every prose number is tagged or declared after review (no baseline).
+# `make test` checks every notebook; the rest still carry a baseline (see the docstring).
 ADOPTED = [
     "chapters/07_scheduling.ipynb",
     "chapters/09_beyond.ipynb",
+    "chapters/11_hybrid.ipynb",
     "solutions/07_scheduling.ipynb",
+    "solutions/11_hybrid.ipynb",
 ]
 
 META_KEY = "prose_numbers"
+BASELINE_KEY = "prose_numbers_baseline"
 GLOBAL_SECTION = re.compile(r"\b(summary|quiz)\b", re.I)
 
 WORDS = {
@@ -165,6 +172,7 @@ class Report:
     untagged: int = 0          # numbers neither exempt nor tagged (declared or not)
     tagged: int = 0
     declared: int = 0
+    baseline: int = 0          # declared under BASELINE_KEY: accepted in bulk, not reviewed
 
 
 def _blank(text: str) -> str:
@@ -302,6 +310,7 @@ def check_notebook(nb, name: str = "<notebook>") -> Report:
         cell = by_id[cid]
         text = cell.source
         declared = set(cell.get("metadata", {}).get(META_KEY, []))
+        baseline = set(cell.get("metadata", {}).get(BASELINE_KEY, []))
         seen = keys_seen.setdefault(cid, set())
         scope = all_code if GLOBAL_SECTION.search(title) else code_by_section.get(sec, [])
         for num in numbers_in(cid, text):
@@ -328,6 +337,9 @@ def check_notebook(nb, name: str = "<notebook>") -> Report:
             if num.key in declared:
                 report.declared += 1
                 continue
+            if num.key in baseline:
+                report.baseline += 1
+                continue
             report.problems.append(Problem(
                 name, cid, num.text, f"neither tagged nor declared (key {num.key!r})",
                 num.sentence))
@@ -335,7 +347,8 @@ def check_notebook(nb, name: str = "<notebook>") -> Report:
         if cell.cell_type != "markdown":
             continue
         cid = cell.get("id", "?")
-        declared = set(cell.get("metadata", {}).get(META_KEY, []))
+        meta = cell.get("metadata", {})
+        declared = set(meta.get(META_KEY, [])) | set(meta.get(BASELINE_KEY, []))
         for key in sorted(declared - keys_seen.get(cid, set())):
             report.problems.append(Problem(name, cid, key, "stale declaration: no such number "
                                            "in the cell now", ""))
@@ -352,10 +365,12 @@ def check_notebook(nb, name: str = "<notebook>") -> Report:
     return report
 
 
-def accept(nb, name: str = "<notebook>", cell_ids: set[str] | None = None) -> int:
+def accept(nb, name: str = "<notebook>", cell_ids: set[str] | None = None,
+           baseline: bool = False) -> int:
     """Declare ``nb``'s untagged, non-exempt numbers in each markdown cell's metadata
     (only the cells in ``cell_ids`` if given), dropping stale keys. Refuses (SystemExit)
-    while a tag fails. Returns the number of keys written."""
+    while a tag fails. Returns the number of keys written. ``baseline``: write the keys
+    not already declared under ``BASELINE_KEY`` instead, as not yet reviewed one by one."""
     tag_problems = [p for p in check_notebook(nb, name).problems
                     if p.what.startswith(("tagged", "tag ", "the code says"))]
     if tag_problems:
@@ -366,11 +381,16 @@ def accept(nb, name: str = "<notebook>", cell_ids: set[str] | None = None) -> in
         if cell.cell_type != "markdown" or (cell_ids is not None and cid not in cell_ids):
             continue
         keys = list(dict.fromkeys(n.key for n in numbers_in(cid, cell.source) if n.tag is None))
-        if keys:
-            cell.metadata[META_KEY] = keys
-            written += len(keys)
-        else:
-            cell.metadata.pop(META_KEY, None)
+        reviewed = set(cell.metadata.get(META_KEY, [])) if baseline else set()
+        kept = [k for k in keys if k in reviewed]
+        new = [k for k in keys if k not in reviewed]
+        for meta_key in (META_KEY, BASELINE_KEY):  # stale keys go, from both lists
+            cell.metadata.pop(meta_key, None)
+        if kept:
+            cell.metadata[META_KEY] = kept
+        if new:
+            cell.metadata[BASELINE_KEY if baseline else META_KEY] = new
+            written += len(new)
     return written
 
 
@@ -388,22 +408,21 @@ def _rel(p: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("notebooks", nargs="*", type=Path)
-    ap.add_argument("--book", action="store_true", help="every notebook in chapters/, solutions/")
     ap.add_argument("--accept", action="store_true",
                     help="write declarations for the notebooks' current untagged numbers")
     ap.add_argument("--cell", action="append", help="with --accept: only this cell id")
+    ap.add_argument("--baseline", action="store_true",
+                    help="with --accept: declare under prose_numbers_baseline, not yet reviewed")
     ap.add_argument("--count", action="store_true",
                     help="print untagged numbers per notebook (declared or not); read only")
     args = ap.parse_args(argv)
-    paths = args.notebooks or (book_notebooks() if args.book else [ROOT / p for p in ADOPTED])
-    if args.book and args.notebooks:
-        ap.error("--book or a list of notebooks, not both")
+    paths = args.notebooks or book_notebooks()
     if args.accept:
         if not args.notebooks:
             ap.error("--accept needs the notebooks named")
         for p in paths:
             nb = nbformat.read(p, as_version=4)
-            n = accept(nb, _rel(p), set(args.cell) if args.cell else None)
+            n = accept(nb, _rel(p), set(args.cell) if args.cell else None, args.baseline)
             nbformat.write(nb, p)
             print(f"{_rel(p)}: {n} numbers declared")
         return 0
@@ -413,14 +432,15 @@ def main(argv: list[str] | None = None) -> int:
         rep = check_notebook(nb, _rel(p))
         if args.count:
             undeclared = sum(1 for x in rep.problems if x.what.startswith("neither"))
-            print(f"{_rel(p):40s} untagged {rep.untagged:4d} (undeclared {undeclared:4d}) "
-                  f"tagged {rep.tagged:3d}")
+            print(f"{_rel(p):40s} untagged {rep.untagged:4d} (undeclared {undeclared:4d}, "
+                  f"baseline {rep.baseline:4d}) tagged {rep.tagged:3d}")
             continue
         for prob in rep.problems:
             print(prob)
         failed += len(rep.problems)
         if not rep.problems:
-            print(f"{_rel(p)}: ok ({rep.tagged} tagged, {rep.declared} declared)")
+            print(f"{_rel(p)}: ok ({rep.tagged} tagged, {rep.declared} declared"
+                  + (f", {rep.baseline} in the baseline" if rep.baseline else "") + ")")
     if failed:
         print(f"{failed} problem(s): tag each computed number (<!--=name-->) to a value its "
               "section prints or asserts, or declare a fixed fact (tools/check_prose.py --accept)")
