@@ -27,8 +27,9 @@ from collections import defaultdict
 import torch
 from serve_bench import DATASETS, OUTPUT_LEN, vllm_kv_tokens
 
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
 from minirt.model import load_model
+from minirt.request import Request
 
 _SHAPE = dict(zip(DATASETS["prefix_repetition"][::2], DATASETS["prefix_repetition"][1::2],
                   strict=True))  # serve_bench's client options, read rather than restated

@@ -47,9 +47,10 @@ from contextlib import nullcontext
 import torch
 from _setup import print_split, run_in_vllm, timing_model
 
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
 from minirt.forward import WorkingKV
 from minirt.model import ATTENTION, load_model
+from minirt.request import Request
 
 OWN = 16  # tokens of each prompt that differ between requests
 

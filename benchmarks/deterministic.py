@@ -26,8 +26,9 @@ import time
 
 import torch
 
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
 from minirt.model import load_model
+from minirt.request import Request
 
 
 def probe(rows: list[int]) -> None:

@@ -34,10 +34,12 @@ from unittest import mock
 
 import torch
 
-from minirt.engine import Engine, Request, chat_script, serve_chat
+from minirt.chat import chat_script, serve_chat
+from minirt.engine import Engine
 from minirt.forward import forward_paged
 from minirt.model import ATTENTION, load_model
 from minirt.pool import KVPool, PageTable
+from minirt.request import Request
 from minirt.workloads import few_shot, rag
 
 

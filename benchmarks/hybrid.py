@@ -23,9 +23,10 @@ import sys
 
 import torch
 
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
 from minirt.hybrid import HybridSpec, WindowRunner, greedy_uncached, with_sliding_window
 from minirt.model import load_model
+from minirt.request import Request
 from minirt.workloads import multi_turn_chat
 
 

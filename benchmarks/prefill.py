@@ -46,7 +46,8 @@ from unittest import mock
 import torch
 from _setup import print_split, run_in_vllm, timing_model
 
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
+from minirt.request import Request
 
 BURST, SHARED, OWN, PAGE = 16, 500, 50, 128
 

@@ -25,7 +25,8 @@ import time
 import torch
 
 from minirt.cache import RadixCache, insert_fresh
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
+from minirt.request import Request
 from minirt.scheduler import POLICIES, Scheduler, SimRequest, edge_sum
 
 # every minirt policy, plus SGLang's DFS-weight walk of the cache's tree

@@ -29,8 +29,9 @@ import time
 
 import torch
 
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
 from minirt.model import load_model
+from minirt.request import Request
 from minirt.router import (
     ROUTING_POLICIES,
     make_replicas,

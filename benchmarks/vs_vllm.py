@@ -135,7 +135,8 @@ def vllm_worker(spec_path: str, out_path: str, caching: bool) -> None:
 
 
 def minirt_offline(model, page_size: int, spec: dict) -> dict:
-    from minirt.engine import Engine, Request
+    from minirt.engine import Engine
+    from minirt.request import Request
 
     engine = Engine(model, capacity=16384, page_size=page_size, token_budget=VLLM_BATCH_TOKENS)
 

@@ -33,7 +33,8 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     3: ("cache", "widgets"),
     4: ("pool", "forward", "lifecycle"),  # forward: extended by 06 (fast paths), 10 (exact)
     5: ("eviction", "simulate", "traces"),  # traces: production traffic, no chapter yet
-    6: ("engine", "serve", "replay", "kernels"),  # serve, replay: 06a; kernels: appendix 06b
+    6: ("request", "engine", "chat", "serve", "replay",
+        "kernels"),  # serve, replay: 06a; kernels: appendix 06b
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),
     9: ("tiers", "router", "server_map"),  # server_map: chapter 09a, part of chapter 9

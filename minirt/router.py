@@ -785,7 +785,7 @@ def replay_replicas(engines: Sequence, router: Router, chats: TenantChats, *,
     round of the loop steps each replica that has work once. The router sees each
     request's ``chat_routing_text`` and, as a session id, its conversation.
     """
-    from .engine import Request
+    from .request import Request
 
     if len(engines) != router.num_replicas:
         raise RouterError(f"{len(engines)} engines for a router of {router.num_replicas} "

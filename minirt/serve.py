@@ -49,7 +49,7 @@ and form bodies to a local server without asking (a CORS "simple" request); a bo
 ``developer``, ``user`` and ``assistant``, anything else is 400 (vLLM renders any role
 string into the template:
 vllm 0.32.0 `renderers/chat_utils.py: CustomChatCompletionMessageParam`). A positive
-``temperature`` below 0.01 runs at 0.01, as in vLLM (``minirt.engine.MIN_TEMPERATURE``),
+``temperature`` below 0.01 runs at 0.01, as in vLLM (``minirt.request.MIN_TEMPERATURE``),
 and a request whose sampling still fails fails alone (the engine isolates it). A client
 that disconnects, streaming or not, cancels its request within a token or so, which
 frees its pool slots.
@@ -88,8 +88,9 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import SEED_RANGE, Engine, Request, RequestResult, chat_prompt_ids
+from .engine import Engine
 from .errors import MinirtError, RequestError
+from .request import SEED_RANGE, Request, RequestResult, chat_prompt_ids
 
 __all__ = ["EngineWorker", "ServerProcess", "TextDeltas", "build_app", "launch", "main"]
 

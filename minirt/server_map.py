@@ -178,6 +178,15 @@ MAP: list[MapRow] = [
          "--max-prefill-tokens, --chunked-prefill-size / --max-num-batched-tokens",
          "a cut prompt's chunks allocated (vLLM) or cached in the tree (SGLang) one at a "
          "time"),
+        ("request.Request", "sglang 0.5.23 `srt/managers/io_struct.py: GenerateReqInput`",
+         "vllm 0.32.0 `sampling_params.py: SamplingParams`", "-",
+         "more sampling settings (vLLM's SamplingParams: top_p, min_p, presence_penalty, "
+         "logprobs, n)"),
+        ("chat.serve_chat",
+         "sglang 0.5.23 `benchmark/serving.py: wrap_multi_turn_request_func` (each round "
+         "resends the conversation so far, the answer appended)",
+         "none: vllm bench serve sends a conversation's first turn (vllm 0.32.0 "
+         "`benchmarks/datasets/datasets.py: ConversationDataset.sample`)", "-", "-"),
         ("serve.build_app", "sglang 0.5.23 `srt/entrypoints/http_server.py` (/generate, "
          "/v1/chat/completions)",
          "vllm 0.32.0 `entrypoints/openai/api_server.py`", "--host, --port (both)",

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .cache import Salt
-from .engine import Engine, Request
+from .engine import Engine
+from .request import Request
 
 __all__ = ["AttackResult", "chance_interval", "mann_whitney_p", "timing_attack"]
 

@@ -45,8 +45,9 @@ def test_chat_plan_reference_matches_the_engine(page_size):
     """The checker's rule is the engine's: a chat through Engine on tiny_model."""
     import torch
 
-    from minirt.engine import Engine, Request
+    from minirt.engine import Engine
     from minirt.model import tiny_model
+    from minirt.request import Request
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -206,8 +207,9 @@ def test_admission_reference_matches_the_engine():
     """The checker's rule is the engine's: replay a queue through Engine on tiny_model."""
     import torch
 
-    from minirt.engine import Engine, Request
+    from minirt.engine import Engine
     from minirt.model import tiny_model
+    from minirt.request import Request
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -10,7 +10,8 @@ from exercise_util import ROOT
 
 import minirt.checks as checks
 from minirt.checks import _common, ch06a
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
+from minirt.request import Request
 
 
 def right(arrivals, uncached, budget):

@@ -8,16 +8,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minirt.engine import (
-    ChatScript,
-    Engine,
-    Request,
-    sample_token,
-    serve_chat,
-    summarize,
-)
+from minirt.chat import ChatScript, serve_chat
+from minirt.engine import Engine
 from minirt.errors import RequestError
 from minirt.lifecycle import greedy_reference
+from minirt.request import Request, sample_token, summarize
 from minirt.workloads import unique_prefix_count
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minirt.cache import RadixCache
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
 from minirt.errors import (
     HandleError,
     InvalidIdsError,
@@ -28,6 +28,7 @@ from minirt.hashcache import (
     truncated_sha256,
 )
 from minirt.lifecycle import greedy_reference
+from minirt.request import Request
 
 B = 4  # small blocks keep the property tests quick; the page-16 test uses 16
 

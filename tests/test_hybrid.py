@@ -178,7 +178,7 @@ def test_greedy_equals_uncached_with_evictions(specs, window, capacity, aware):
 # ---------------------------------------------------------------- through the engine
 
 def _requests(prompts, new=4):
-    from minirt.engine import Request
+    from minirt.request import Request
 
     return [Request(prompt=p, max_new_tokens=new, stop_on_eos=False) for p in prompts]
 
@@ -232,8 +232,9 @@ def test_engine_window_batches_decode_and_cancel():
 
 
 def test_engine_window_bad_settings_build_nothing_and_bad_requests_change_nothing():
-    from minirt.engine import Engine, Request
+    from minirt.engine import Engine
     from minirt.errors import ModelError, PoolError, RequestError, TierError
+    from minirt.request import Request
 
     model = windowed(window=3)
     with pytest.raises(PoolError, match="no sliding|has none"):

@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minirt.forward as forward
-from minirt.engine import Engine, Request, RequestHandle
+from minirt.engine import Engine, RequestHandle
 from minirt.errors import RequestError
 from minirt.lifecycle import greedy_reference
+from minirt.request import Request
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -192,7 +193,7 @@ def test_stop_strings_end_a_request_and_cut_its_text(model):
 def test_a_failing_sampler_fails_its_own_request_only(model, monkeypatch):
     """The engine isolates a sampling failure: that request finishes with reason "error",
     the greedy one in the same steps gets the tokens it gets alone."""
-    from minirt import engine as engine_module
+    from minirt import request as request_module
 
     alone = Engine(model, capacity=256).generate(
         [Request(prompt=[1, 2, 3, 4], max_new_tokens=6)], progress=False)[0].output_ids
@@ -200,7 +201,7 @@ def test_a_failing_sampler_fails_its_own_request_only(model, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("probability tensor contains inf, nan or element < 0")
 
-    monkeypatch.setattr(engine_module, "sample_token", broken)
+    monkeypatch.setattr(request_module, "sample_token", broken)
     eng = Engine(model, capacity=256)
     good = eng.submit(Request(prompt=[1, 2, 3, 4], max_new_tokens=6))
     bad_one = eng.submit(Request(prompt=[5, 6, 7], max_new_tokens=6, temperature=0.7))
@@ -216,7 +217,7 @@ def test_a_failing_sampler_fails_its_own_request_only(model, monkeypatch):
 def test_tiny_temperatures_run_at_the_floor_and_seeds_are_64_bit(model):
     """A positive temperature below MIN_TEMPERATURE samples as MIN_TEMPERATURE (no inf, no
     NaN: the step goes on); a seed outside int64 is rejected at submit, nothing queued."""
-    from minirt.engine import MIN_TEMPERATURE
+    from minirt.request import MIN_TEMPERATURE
 
     def run(t: float) -> list[int]:
         r = Request(prompt=[1, 2, 3], max_new_tokens=5, temperature=t, seed=7)

@@ -11,10 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minirt.cache import RadixCache, insert_fresh
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
 from minirt.errors import MinirtError, ScheduleError
 from minirt.lifecycle import Lifecycle
 from minirt.pool import KVPool
+from minirt.request import Request
 from minirt.scheduler import (
     POLICIES,
     Scheduler,

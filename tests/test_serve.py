@@ -16,9 +16,10 @@ import openai
 import pytest
 import torch
 
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
 from minirt.model import load_model
 from minirt.replay import arrival_times, main, replay
+from minirt.request import Request
 from minirt.serve import TextDeltas, launch
 
 MODEL = "SmolLM2-135M-Instruct"

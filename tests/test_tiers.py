@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from minirt.engine import Engine, Request
+from minirt.engine import Engine
 from minirt.errors import (
     InvalidIdsError,
     MinirtError,
@@ -21,6 +21,7 @@ from minirt.errors import (
 from minirt.lifecycle import greedy_reference
 from minirt.model import tiny_model
 from minirt.pool import KVPool
+from minirt.request import Request
 from minirt.tiers import (
     WRITE_POLICIES,
     HiRadixCache,
