@@ -48,9 +48,9 @@ import torch
 from _setup import print_split, run_in_vllm, timing_model
 
 from minirt.engine import Engine
-from minirt.forward import WorkingKV
 from minirt.model import ATTENTION, load_model
 from minirt.request import Request
+from minirt.working_set import WorkingKV
 
 OWN = 16  # tokens of each prompt that differ between requests
 
@@ -133,7 +133,7 @@ def decode_attention(model, repeats: int) -> None:
     """Decode attention alone at serve_bench's shapes, minirt's kernel against torch's
     path, every layer with K/V of its own (as in a step, each layer's keys come from
     memory, not from the cache the layer before left), the two alternated."""
-    from minirt.forward import PrefixGroups, cascade_decode
+    from minirt.attention import PrefixGroups, cascade_decode
 
     cfg = model.config
     layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads

@@ -13,7 +13,7 @@ Each measurement alternates the two modes (``Engine(deterministic=False)`` and `
 and reports medians and the ratio; the greedy tokens of the burst are compared with one
 request served alone, in both modes (the mismatch count is the number of requests whose
 tokens differ). ``--probe`` first prints, for fp32 and bf16, the row counts ``M`` at which
-row 0 of ``x[:M] @ w.T`` changes bits on this machine (``forward.MIN_ROWS``' reason).
+row 0 of ``x[:M] @ w.T`` changes bits on this machine (``llama.MIN_ROWS``' reason).
 The load average is printed beside the numbers: timings on a shared machine are noisy.
 """
 
@@ -35,7 +35,7 @@ def probe(rows: list[int]) -> None:
     """For the plain and the prepacked (oneDNN) GEMM, fp32 and bf16, on a layer's shape, at
     torch's thread count: the row counts M at which some row of ``x[:M] @ w.T`` has other
     bits than the same row alone, padded to ``MIN_ROWS`` rows (every row, not only row 0)."""
-    from minirt.forward import MIN_ROWS
+    from minirt.llama import MIN_ROWS
     from minirt.model import _linear
 
     gen = torch.Generator().manual_seed(0)

@@ -31,9 +31,9 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     1: ("kv",),
     2: ("radix", "viz", "workloads"),
     3: ("cache", "widgets"),
-    4: ("pool", "forward", "lifecycle"),  # forward: extended by 06 (fast paths), 10 (exact)
+    4: ("pool", "forward", "lifecycle"),  # forward: over 06's llama, attention, working_set
     5: ("eviction", "simulate", "traces"),  # traces: production traffic, no chapter yet
-    6: ("request", "engine", "chat", "serve", "replay",
+    6: ("request", "engine", "chat", "llama", "attention", "working_set", "serve", "replay",
         "kernels"),  # serve, replay: 06a; kernels: appendix 06b
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),

@@ -13,7 +13,7 @@ everything submitted so far, the way mini-sglang's scheduler loop does:
 3. *prefill and decode* in one forward pass (``Lifecycle.step``): the uncached tokens of
    everything admitted, through the pool, and the next token of every request already
    running, attention reading its K/V from a contiguous working copy
-   (``forward.WorkingKV``). Each admitted request gets its first output token (that is the
+   (``working_set.WorkingKV``). Each admitted request gets its first output token (that is the
    time to first token, TTFT) and its prompt goes into the tree so that requests admitted
    later can share it (a request that would share whole pages of a prompt of its own
    batch waits one step for them; a shorter run of new tokens that several begin with is

@@ -135,7 +135,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               scale: float, causal: bool,
               prefix: tuple[torch.Tensor, ...] | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``attention_lse`` (``minirt/forward.py``) by minirt's kernel: the output ``[b,
+    """``attention_lse`` (``minirt/attention.py``) by minirt's kernel: the output ``[b,
     heads, m, d]`` (laid out ``[b, m, heads, d]``, as torch's flash kernel lays it) and
     the log-sum-exp ``[b, heads, m]``; None for what the kernel does not take, left to
     torch: not fp32 on the CPU, a mask that differs between heads, no kernel, and a
@@ -201,7 +201,7 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: torch.Tensor 
            prefix_v: torch.Tensor | None = None, rows: torch.Tensor | None = None,
            sizes: torch.Tensor | None = None,
            lengths: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``cascade_decode`` (``minirt/forward.py``) by minirt's kernel: the attention ``[b,
+    """``cascade_decode`` (``minirt/attention.py``) by minirt's kernel: the attention ``[b,
     heads, d]`` of ``q`` ``[b, heads, d]``, one position per row, over the first ``own[r]``
     keys of ``k``, ``v`` ``[b, kv_heads, n, d]`` (``own`` None: all ``n``), after the
     prefix its group holds, if any: prefix ``g`` of ``prefix_k``, ``prefix_v`` ``[G,
@@ -279,8 +279,8 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """RoPE in place on ``q`` ``[..., heads, d]`` and ``k`` ``[..., kv_heads, d]`` by
-    minirt's kernel, with the tables ``[..., 1, d]`` of ``forward._rope_tables`` (one row
-    per position): the bits of ``forward._rope``. One call where ``k``'s heads follow
+    minirt's kernel, with the tables ``[..., 1, d]`` of ``llama._rope_tables`` (one row
+    per position): the bits of ``llama._rope``. One call where ``k``'s heads follow
     ``q``'s in memory (the fused q/k/v GEMM's output), two otherwise. False, nothing
     changed, for what it leaves to torch."""
     c, s, d = _matrix(cos), _matrix(sin), q.shape[-1]

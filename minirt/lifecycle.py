@@ -37,9 +37,11 @@ import torch
 
 from .cache import CacheHandle, MatchResult, PrefixCache, as_ids, check_salt, slots_tensor
 from .errors import OutOfMemoryError, PoolError, RequestError, StaleHandleError
-from .forward import WorkingKV, forward_mixed, forward_paged, is_llama
+from .forward import forward_mixed, forward_paged
+from .llama import is_llama
 from .pool import KVPool, PageTable
 from .radix import RadixNode
+from .working_set import WorkingKV
 
 __all__ = [
     "Lifecycle",

@@ -194,6 +194,21 @@ MAP: list[MapRow] = [
         ("replay.replay", "sglang 0.5.23 `benchmark/serving.py` (python -m "
          "sglang.benchmark.serving)",
          "vllm 0.32.0 `benchmarks/serve.py` (vllm bench serve)", "--request-rate (both)", "-"),
+        ("llama.llama_forward", "sglang 0.5.23 `srt/models/llama.py: LlamaForCausalLM.forward`",
+         "vllm 0.32.0 `model_executor/models/llama.py: LlamaForCausalLM.forward`", "-",
+         "a model file per architecture; minirt runs a Llama layer by layer and any other "
+         "model through transformers' own forward"),
+        ("attention.shared_prefix_attention",
+         "sglang 0.5.23 `srt/layers/attention/merge_state.py: merge_state`",
+         "vllm 0.32.0 `v1/attention/ops/merge_attn_states.py: merge_attn_states`", "-",
+         "the merge of two attentions' outputs by their log-sum-exps as a GPU kernel"),
+        ("working_set.WorkingKV",
+         "none: the attention backends read running requests' K/V in the pool, through "
+         "sglang 0.5.23 `srt/mem_cache/memory_pool.py: ReqToTokenPool`",
+         "none: the attention backends read running requests' K/V in the pool, through "
+         "vllm 0.32.0 `v1/worker/block_table.py: BlockTable`", "-",
+         "paged kernels need no copy; minirt's decode reads a contiguous copy it keeps in "
+         "step with the pool"),
         ("kernels.attention",
          "sglang 0.5.23 `srt/layers/attention/intel_amx_backend.py: IntelAMXAttnBackend` "
          "(sgl_kernel's extend_attention_cpu and decode_attention_cpu); "
@@ -335,7 +350,7 @@ MAP: list[MapRow] = [
     ),
     *_rows(
         10,
-        ("forward.aligned_attention",
+        ("attention.aligned_attention",
          "sglang 0.5.23 `srt/batch_invariant_ops/batch_invariant_ops.py: "
          "enable_batch_invariant_mode`; a fixed split tile in sglang 0.5.23 "
          "`srt/layers/attention/triton_backend.py: TritonAttnBackend.__init__`",

@@ -120,15 +120,26 @@ def test_no_mechanism_module_imports_a_presentation_module():
 
 
 def test_the_forward_pass_sits_between_the_pool_and_the_lifecycle():
-    """BOOK.md s.4's layers: the pool knows nothing of the forward pass, the model loader
-    nothing of the pool or the forward pass; the lifecycle runs through the forward module."""
+    """BOOK.md s.4's layers: pool -> the attention and layer arithmetic -> the forward pass
+    over pooled K/V (the decode working set, the forward module) -> lifecycle. The pool knows
+    nothing above it, the model loader nothing of the pool; the attention and layer
+    arithmetic take tensors (no pool, no forward pass); the working set and the forward
+    module read the pool through them; the lifecycle runs through the forward module."""
     from pathlib import Path
 
     pkg = Path(book.__file__).parent
-    deps = {m: _minirt_imports(pkg / f"{m}.py") for m in ("pool", "model", "forward", "lifecycle")}
-    assert not deps["pool"] & {"forward", "lifecycle", "model"}
-    assert not deps["model"] & {"pool", "forward", "lifecycle"}
-    assert {"pool", "model"} <= deps["forward"] and "forward" in deps["lifecycle"]
+    names = ("pool", "model", "llama", "attention", "working_set", "forward", "lifecycle")
+    deps = {m: _minirt_imports(pkg / f"{m}.py") for m in names}
+    above_pool = {"llama", "attention", "working_set", "forward", "lifecycle"}
+    assert not deps["pool"] & (above_pool | {"model"})
+    assert not deps["model"] & (above_pool | {"pool"})
+    assert "model" in deps["llama"]
+    assert not deps["llama"] & (above_pool | {"pool"})
+    assert not deps["attention"] & {"pool", "working_set", "forward", "lifecycle"}
+    assert {"pool", "attention", "llama"} <= deps["working_set"]
+    assert not deps["working_set"] & {"forward", "lifecycle"}
+    assert {"pool", "llama", "attention", "working_set"} <= deps["forward"]
+    assert "lifecycle" not in deps["forward"] and "forward" in deps["lifecycle"]
 
 
 def test_progress_yields_every_item_and_leaves_no_bar(capsys, monkeypatch):

@@ -360,7 +360,7 @@ def test_deterministic_engine_gives_the_same_tokens_cached_or_not_batched_or_alo
     chunks)."""
     from unittest import mock
 
-    import minirt.forward as forward
+    import minirt.attention as attention
     from minirt.model import fuse_projections, tiny_model
 
     m = tiny_model(7).to(torch.bfloat16)
@@ -370,7 +370,7 @@ def test_deterministic_engine_gives_the_same_tokens_cached_or_not_batched_or_alo
     prompts = [prefix + torch.randint(0, 128, (1 + i % 5,), generator=gen).tolist()
                for i in range(16)]
     runs = {}
-    with mock.patch.object(forward, "CHUNK", 16):
+    with mock.patch.object(attention, "CHUNK", 16):
         for use_cache, budget in ((True, 2048), (False, 2048), (True, 7)):
             for batch in (16, 4, 1):
                 engine = Engine(m, capacity=1024, page_size=page_size, use_cache=use_cache,

@@ -11,23 +11,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minirt.attention as attention
 import minirt.forward as forward
+import minirt.llama as llama
 from minirt import kernels
-from minirt.errors import ModelError, PoolError
-from minirt.forward import (
+from minirt.attention import (
     PrefixGroups,
-    WorkingKV,
     aligned_attention,
     attention_lse,
     cascade_decode,
-    forward_mixed,
-    forward_paged,
-    is_llama,
-    llama_forward,
     shared_prefix_attention,
 )
+from minirt.errors import ModelError, PoolError
+from minirt.forward import forward_mixed, forward_paged
+from minirt.llama import is_llama, llama_forward
 from minirt.model import fuse_projections, load_model, tiny_model
 from minirt.pool import KVPool, PageTable
+from minirt.working_set import WorkingKV
 
 
 @pytest.mark.parametrize("kernel", ["minirt's cpu kernel", "cpu flash",
@@ -41,13 +41,13 @@ def test_attention_split_at_a_shared_prefix_is_whole_attention(monkeypatch, kern
     on torch's CPU kernel (reading grouped K/V heads in place, or repeated first, as on a
     torch whose kernel cannot) and on the matrix-product path other devices take."""
     if kernel != "minirt's cpu kernel":
-        monkeypatch.setattr(forward.kernels, "attention", lambda *a: None)
-    elif forward.kernels.library() is None:
+        monkeypatch.setattr(kernels, "attention", lambda *a: None)
+    elif kernels.library() is None:
         pytest.skip("minirt's kernel could not be built here (no C compiler?)")
     if kernel == "matrix products":
-        monkeypatch.setattr(forward, "_FLASH_CPU", None)
+        monkeypatch.setattr(attention, "_FLASH_CPU", None)
     if kernel == "cpu flash, heads repeated":
-        monkeypatch.setattr(forward, "_flash_reads_grouped_kv", lambda: False)
+        monkeypatch.setattr(attention, "_flash_reads_grouped_kv", lambda: False)
     gen = torch.Generator().manual_seed(4)
     b, heads, kv_heads, d, p, n = 3, 6, 2, 8, 7, 9
     q = torch.randn(b, heads, m, d, generator=gen)
@@ -106,11 +106,11 @@ def test_cascade_decode_reads_every_groups_prefix_in_one_call(monkeypatch, path)
     rows = [[0, 3], [2]]  # rows 1 and 4: no prefix
     groups = PrefixGroups.of(rows, lengths)
     calls = []
-    monkeypatch.setattr(forward, "attention_lse",
-                        lambda *a, f=forward.attention_lse, **k: calls.append(1) or f(*a, **k))
+    monkeypatch.setattr(attention, "attention_lse",
+                        lambda *a, f=attention.attention_lse, **k: calls.append(1) or f(*a, **k))
     if path == "torch's attention":
-        monkeypatch.setattr(forward.kernels, "decode", lambda *a: None)
-    elif forward.kernels.library() is None:
+        monkeypatch.setattr(kernels, "decode", lambda *a: None)
+    elif kernels.library() is None:
         pytest.skip("no C compiler: minirt uses torch's kernels")
     got = cascade_decode(q, own_k, own_v, own, pk, pv, groups, 0.4)
     assert len(calls) == (2 if path == "torch's attention" else 0)
@@ -163,7 +163,7 @@ def test_llama_forward_norm_rope_and_silu_are_transformers_own(monkeypatch, kern
     as is SiLU; the residual is added into ``h`` in place."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from minirt.forward import _rms_norm, _rope_qk, _rope_tables, _silu_mul
+    from minirt.llama import _rms_norm, _rope_qk, _rope_tables, _silu_mul
 
     if not kernel:
         monkeypatch.setattr(kernels, "library", lambda *a: None)
@@ -271,7 +271,7 @@ def _served(model, data, deterministic: bool) -> list[tuple[torch.Tensor, torch.
     seqs = step(seqs, tables, forward_paged(model, pool, tables, [x[-1:] for x in seqs],
                                             working=working, deterministic=deterministic))
     more, more_tables, more_new = arrive(data.draw(st.integers(1, 3)))
-    with mock.patch.object(forward, "llama_forward", wraps=forward.llama_forward) as passes:
+    with mock.patch.object(llama, "llama_forward", wraps=llama.llama_forward) as passes:
         prefilled, decoded = forward_mixed(model, pool, more_tables, more_new, working, tables,
                                            [x[-1:] for x in seqs], deterministic=deterministic)
     assert passes.call_count == 1
@@ -292,7 +292,8 @@ def test_deterministic_logits_are_one_requests_uncached_pass(dtype, data):
     of 5 or 16 (``QUERY_BLOCK``), or all at once."""
     model = _tiny(dtype)
     block = data.draw(st.sampled_from([5, 16, 1000]))
-    with mock.patch.object(forward, "CHUNK", 16), mock.patch.object(forward, "QUERY_BLOCK", block):
+    with mock.patch.object(attention, "CHUNK", 16), \
+            mock.patch.object(attention, "QUERY_BLOCK", block):
         for seq, logits in _served(model, data, deterministic=True):
             assert torch.equal(logits, _alone(model, seq))
 
@@ -411,7 +412,7 @@ def test_one_row_projections_take_the_matrix_vector_kernel(monkeypatch):
     """``_project`` on one row (a decode step of one request) runs ``kernels.gemv`` on the
     layer's own weight, fused q/k/v and gate/up included, and gives the GEMM's values to
     fp32 rounding; two rows, or no kernel, run the GEMM."""
-    from minirt.forward import _project
+    from minirt.llama import _project
     from minirt.model import _GATE_UP, _QKV, _projections, fuse_projections
 
     if kernels.library() is None:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirt import kernels
-from minirt.forward import PrefixGroups, attention_lse
+from minirt.attention import PrefixGroups, attention_lse
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
                                     reason="no C compiler: minirt uses torch's kernel")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import minirt.forward as forward
+import minirt.llama as llama
 from minirt.engine import Engine, RequestHandle
 from minirt.errors import RequestError
 from minirt.lifecycle import greedy_reference
@@ -106,7 +106,7 @@ def test_arrival_while_others_run_shares_their_prefix(model):
     assert ha.status == "running" and len(ha.output_ids) == 1
     hb = engine.submit(Request(prompt=a[:15] + [99, 98], max_new_tokens=3, stop_on_eos=False))
     assert hb.status == "waiting" and engine.waiting == [hb] and engine.running == [ha]
-    with mock.patch.object(forward, "llama_forward", wraps=forward.llama_forward) as passes:
+    with mock.patch.object(llama, "llama_forward", wraps=llama.llama_forward) as passes:
         out = engine.step()
     assert out.admitted == [hb] and hb.cached_tokens == 15
     # One pass: B's prefill gives its first token, A's decode its second, beside it.

@@ -276,7 +276,7 @@ def test_working_kv_decode_equals_gathering_from_the_pool(model, monkeypatch, fr
     it grows into is not cleared as a whole: filled with NaN, nothing changes, since no
     position attention reads is left unwritten. Cleared when idle, it keeps its buffers,
     and requests after that read none of what they held."""
-    from minirt.forward import WorkingKV
+    from minirt.working_set import WorkingKV
 
     if fresh == "NaN":
         empty = torch.Tensor.new_empty
@@ -331,7 +331,7 @@ def test_working_kv_decode_equals_gathering_from_the_pool(model, monkeypatch, fr
 
 
 def test_working_kv_check_catches_a_row_that_drifted(model):
-    from minirt.forward import WorkingKV
+    from minirt.working_set import WorkingKV
 
     pool = KVPool.for_model(model, 32)
     working = WorkingKV(pool)
@@ -350,7 +350,7 @@ def test_working_kv_holds_each_groups_prefix_once(model):
     of each group's prefix: behind two prefixes, two groups; a request sharing less than a
     group's prefix has its own row only; one sharing more with a member than the group does
     forms a group with it. Logits equal the plain model's throughout."""
-    from minirt.forward import WorkingKV
+    from minirt.working_set import WorkingKV
 
     torch.manual_seed(5)
     pool = KVPool.for_model(model, 512)
@@ -423,7 +423,7 @@ def test_working_kv_holds_each_groups_prefix_once(model):
 
 def test_working_kv_min_prefix(model):
     """``min_prefix``: requests sharing fewer positions keep all of theirs in their rows."""
-    from minirt.forward import WorkingKV
+    from minirt.working_set import WorkingKV
 
     torch.manual_seed(6)
     pool = KVPool.for_model(model, 64)
