@@ -24,9 +24,10 @@ import sys
 import torch
 
 from minirt.engine import Engine
-from minirt.hybrid import HybridSpec, WindowRunner, greedy_uncached, with_sliding_window
+from minirt.hybrid import HybridSpec, greedy_uncached, with_sliding_window
 from minirt.model import load_model
 from minirt.request import Request
+from minirt.window_lifecycle import WindowRunner
 from minirt.workloads import multi_turn_chat
 
 

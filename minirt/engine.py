@@ -28,7 +28,7 @@ in full and caches nothing: the baseline the savings are measured against.
 ``cache="hash"`` runs the same loop on chapter 08's block-hash cache (vLLM's design)
 instead of the radix tree; ``cache="window"`` (chosen by itself for a model with
 sliding-window layers) on chapter 11's window-aware tree over two pools
-(``minirt.hybrid.WindowLifecycle``).
+(``minirt.window_lifecycle.WindowLifecycle``).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class Engine:
     else is in its batch and however its steps are split (``minirt.forward``'s switch, a
     Llama only; chapter 10).
     ``cache="window"`` (the default, ``cache=None``, for a model whose config has sliding
-    layers; "radix" otherwise): chapter 11's ``hybrid.WindowLifecycle``, full layers' K/V
+    layers; "radix" otherwise): chapter 11's ``window_lifecycle.WindowLifecycle``, full layers' K/V
     in a pool of ``capacity`` tokens, window layers' in one of ``window_capacity`` (default
     ``capacity``); page size 1, LRU, no host tier, salt or deterministic mode (PoolError,
     TierError, ModelError: nothing is built).
@@ -198,7 +198,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.host_tier = None  # the cache itself when it has a host tier
         if self.windowed:  # chapter 11: two pools, the window-aware tree
-            from .hybrid import WindowLifecycle
+            from .window_lifecycle import WindowLifecycle
 
             self.lifecycle = WindowLifecycle(model, capacity, window_capacity)
             self.pool, self.cache = self.lifecycle.pool, self.lifecycle.cache

@@ -372,7 +372,7 @@ MAP: list[MapRow] = [
          "-", "one component (SGLang) or one manager per KV cache group (vLLM) per layer kind; "
          "page-sized window blocks; an every-layer-sliding cache, sglang 0.5.23 "
          "`srt/mem_cache/pure_swa_radix_cache.py: PureSWARadixCache`"),
-        ("hybrid.WindowLifecycle",
+        ("window_lifecycle.WindowLifecycle",
          "sglang 0.5.23 `srt/mem_cache/common.py: free_swa_out_of_window_slots`",
          "vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: "
          "SingleTypeKVCacheManager.remove_skipped_blocks`",

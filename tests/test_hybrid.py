@@ -22,11 +22,11 @@ from minirt.hybrid import (
     NO_SLOT,
     HybridSpec,
     WindowRadixCache,
-    WindowRunner,
     greedy_uncached,
     with_sliding_window,
 )
 from minirt.model import tiny_model
+from minirt.window_lifecycle import WindowRunner
 
 
 @functools.cache
@@ -193,7 +193,7 @@ def test_engine_serves_window_layers_equal_to_uncached(capacity):
     """Batches of requests with shared prefixes, twice (the second round hits), through
     the engine's window cache; a 24-slot pool must evict. Integrity after every step."""
     from minirt.engine import Engine
-    from minirt.hybrid import WindowLifecycle
+    from minirt.window_lifecycle import WindowLifecycle
 
     model = windowed(window=3)
     ref = [greedy_uncached(model, p, 4) for p in ENGINE_PROMPTS]
