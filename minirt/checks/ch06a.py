@@ -6,10 +6,9 @@ reference simulation of ``Engine.step``'s admission, and names the first that di
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 
-from ._common import call_reader, checker, expect, passed
+from ._common import as_int_list, call_reader, checker, expect, passed
 
 __all__ = ["PREDICT_CASE", "check_first_token_prediction", "check_first_token_steps"]
 
@@ -80,14 +79,10 @@ def _mistake_hint(got, arrivals, uncached, budget) -> str | None:
 
 
 def _as_steps(got, n: int) -> list[int] | None:
+    """``got`` as ``n`` step numbers if it is a list or tuple of that many ints, else None."""
     if not isinstance(got, (list, tuple)) or len(got) != n:
         return None
-    if any(isinstance(g, bool) for g in got):
-        return None
-    try:
-        return [operator.index(g) for g in got]
-    except TypeError:
-        return None
+    return as_int_list(got)
 
 
 FIRST_TOKEN_CASES = [
