@@ -52,7 +52,8 @@ from pathlib import Path
 
 import torch
 
-from minirt.cache import RadixCache, TokenIds
+from minirt.cache import RadixCache
+from minirt.token_ids import TokenIds
 
 SGLANG = "sglang==0.5.23"
 SGLANG_FILES = ("cache_init_params.py", "evict_policy.py", "base_prefix_cache.py", "radix_cache.py")

@@ -30,7 +30,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     0: ("model", "book", "errors", "checks"),
     1: ("kv",),
     2: ("radix", "viz", "workloads"),
-    3: ("cache", "widgets"),
+    3: ("cache", "token_ids", "widgets"),
     4: ("pool", "forward", "lifecycle"),  # forward: over 06's llama, attention, working_set
     5: ("eviction", "simulate", "traces"),  # traces: production traffic, no chapter yet
     6: ("request", "engine", "chat", "llama", "attention", "working_set", "serve", "replay",

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import MatchResult, PrefixCache, RadixCache, as_ids
+from .cache import MatchResult, PrefixCache, RadixCache
 from .errors import InvalidIdsError, ModelError, PoolError, RequestError, TierError
 from .eviction import EvictionPolicy
 from .lifecycle import Lifecycle, greedy_token, node_path
@@ -59,6 +59,7 @@ from .request import (
     summarize,
 )
 from .scheduler import Scheduler, make_scheduler
+from .token_ids import as_ids
 
 __all__ = ["Engine", "RequestHandle", "StepOutput"]
 

@@ -46,17 +46,9 @@ from typing import Any
 
 import torch
 
-from .cache import (
-    CacheStats,
-    IdsLike,
-    InsertResult,
-    MatchResult,
-    Salt,
-    SizeInfo,
-    as_ids,
-    check_salt,
-)
+from .cache import CacheStats, InsertResult, MatchResult, Salt, SizeInfo, check_salt
 from .errors import HandleError, InvalidIdsError, OutOfMemoryError, PoolError, StaleHandleError
+from .token_ids import IdsLike, as_ids
 
 __all__ = [
     "BlockHash",

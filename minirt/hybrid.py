@@ -29,7 +29,7 @@ from itertools import count
 
 import torch
 
-from .cache import CacheStats, as_ids
+from .cache import CacheStats
 from .errors import (
     HandleError,
     InvalidIdsError,
@@ -37,6 +37,7 @@ from .errors import (
     PoolError,
     StaleHandleError,
 )
+from .token_ids import as_ids
 
 __all__ = ["FULL", "NO_SLOT", "WINDOW", "HybridSpec", "WindowHandle", "WindowInsert",
            "WindowMatch", "WindowNode", "WindowRadixCache", "greedy_uncached", "has_window_layers",

@@ -35,12 +35,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CacheHandle, MatchResult, PrefixCache, as_ids, check_salt, slots_tensor
+from .cache import CacheHandle, MatchResult, PrefixCache, check_salt
 from .errors import OutOfMemoryError, PoolError, RequestError, StaleHandleError
 from .forward import forward_mixed, forward_paged
 from .llama import is_llama
 from .pool import KVPool, PageTable
 from .radix import RadixNode
+from .token_ids import as_ids, slots_tensor
 from .working_set import WorkingKV
 
 __all__ = [

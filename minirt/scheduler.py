@@ -62,9 +62,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .cache import PrefixCache, RadixCache, as_ids
+from .cache import PrefixCache, RadixCache
 from .errors import ScheduleError
 from .radix import RadixNode
+from .token_ids import as_ids
 from .workloads import unique_prefix_count
 
 __all__ = [

@@ -82,6 +82,12 @@ MAP: list[MapRow] = [
         ("radix.page_key", "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixKey.child_key_at`",
          "vllm 0.32.0 `v1/core/kv_cache_utils.py: hash_block_tokens` (one hash per full block)",
          "--page-size / --block-size", "-"),
+        ("token_ids.TokenIds",
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixKey` (a request's ids as an "
+         "array, made per request by sglang 0.5.23 `srt/mem_cache/common.py: _req_radix_key`)",
+         "vllm 0.32.0 `v1/request.py: Request.update_block_hashes` (a request's block hashes, "
+         "computed once as its blocks fill)",
+         "-", "-"),
         ("cache.RadixCache.match_prefix",
          "sglang 0.5.23 `srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.match_prefix`; "
          "sglang 0.5.23 `srt/mem_cache/unified_cache/unified_tree_core.py: "

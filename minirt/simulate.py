@@ -17,9 +17,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .cache import CacheStats, RadixCache, slots_tensor
+from .cache import CacheStats, RadixCache
 from .errors import OutOfMemoryError, PoolError, RequestError
 from .eviction import EvictionPolicy, is_evictable_leaf
+from .token_ids import slots_tensor
 
 __all__ = ["belady_hit_rate", "evict_by_scan", "simulate"]
 

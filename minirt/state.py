@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import RadixCache, as_ids, insert_fresh
+from .cache import RadixCache, insert_fresh
+from .token_ids import as_ids
 
 __all__ = ["LinearRecurrence", "StateCache", "StateTrace", "prefix_keys"]
 

@@ -43,20 +43,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import (
-    IdsLike,
-    MatchResult,
-    RadixCache,
-    Salt,
-    as_ids,
-    check_salt,
-    slots_tensor,
-)
+from .cache import MatchResult, RadixCache, Salt, check_salt
 from .errors import PoolError, TierError
 from .eviction import EvictionPolicy
 from .forward import forward_paged
 from .pool import KVPool, PageTable
 from .radix import RadixNode
+from .token_ids import IdsLike, as_ids, slots_tensor
 
 __all__ = [
     "WRITE_POLICIES",

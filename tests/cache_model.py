@@ -19,13 +19,14 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minirt.cache import CacheHandle, RadixCache, TokenIds
+from minirt.cache import CacheHandle, RadixCache
 from minirt.errors import (
     HandleError,
     InvalidIdsError,
     OutOfMemoryError,
     StaleHandleError,
 )
+from minirt.token_ids import TokenIds
 
 
 def snapshot(cache: RadixCache):

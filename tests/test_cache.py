@@ -9,9 +9,10 @@ import torch
 from cache_model import CacheMachine, assert_invariants, snapshot
 from hypothesis import settings
 
-from minirt.cache import CacheHandle, CacheStats, RadixCache, TokenIds, as_ids
+from minirt.cache import CacheHandle, CacheStats, RadixCache
 from minirt.errors import HandleError, InvalidIdsError, RequestError, StaleHandleError
 from minirt.radix import as_tokens
+from minirt.token_ids import TokenIds, as_ids
 
 A = [101, 11, 12, 21, 22]
 B = [101, 11, 12, 31, 32]
