@@ -361,8 +361,12 @@ def _decode_event(raw: Any) -> KVCacheEvent:
     if cls is None:
         raise KVEventError(f"unknown event type {raw['type']!r}")
     names = {f.name for f in fields(cls)}
-    try:  # unknown fields are ignored, as msgspec does by default
-        event = cls(**{k: v for k, v in raw.items() if k in names})
+    kwargs = {k: v for k, v in raw.items() if k in names}  # msgspec ignores unknown fields
+    keys = kwargs.get("extra_keys")
+    if isinstance(keys, list):  # typed list[tuple | None]: msgspec decodes tuples
+        kwargs["extra_keys"] = [tuple(k) if isinstance(k, list) else k for k in keys]
+    try:
+        event = cls(**kwargs)
     except TypeError as exc:
         raise KVEventError(f"{raw['type']}: {exc}") from exc
     _check_event(event)

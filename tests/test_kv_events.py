@@ -9,15 +9,19 @@ import json
 import struct
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirt import kv_events as ke
+from minirt.errors import RequestError
 from minirt.hashcache import HashCache
+from minirt.kv_event_caches import EventHashCache, EventRadixCache, use_event_cache
 from minirt.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -295,3 +299,122 @@ def test_publisher_checks_its_arguments():
         with pytest.raises(KVEventError, match="not a KV cache event"):
             pub.publish(KVEventBatch(0.0, [1]))
         assert pub.seq == 0
+
+
+# ---------------------------------------------------------------- the caches publish
+
+
+def _contents(cache) -> Counter:
+    """The external hashes the cache holds, counted, read from the cache itself."""
+    held: Counter = Counter()
+    if isinstance(cache, EventHashCache):
+        for block in cache.units():
+            held[external_block_hash(block.block_hash)] += 1
+        return held
+    for node in cache.nodes():
+        path, walk = [], node
+        while walk.parent is not None:
+            path.append(list(walk.key))
+            walk = walk.parent
+        tokens = [t for part in reversed(path) for t in part]
+        salt = getattr(node.key_fn, "salt", None)
+        mine = vllm_block_hashes(tokens, cache.page_size, salt=salt)[-(node.length //
+                                                                        cache.page_size):]
+        held.update(external_block_hash(h) for h in mine)
+    return held
+
+
+def _apply(events, held: Counter) -> None:
+    for event in events:
+        if isinstance(event, BlockStored):
+            held.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                assert held[h] > 0, "removal of a hash the events never stored"
+                held[h] -= 1
+                if not held[h]:
+                    del held[h]
+        else:
+            held.clear()
+
+
+_ops = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.lists(st.integers(0, 2), min_size=0, max_size=14),
+              st.sampled_from([None, "a"])),
+    st.tuples(st.just("evict"), st.integers(1, 12), st.none()),
+    st.tuples(st.just("reset"), st.none(), st.none())), max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["radix", "hash"]), st.sampled_from([1, 2, 4]), _ops)
+def test_events_replayed_equal_the_cache(kind, page, ops):
+    """Whatever happens to the cache, its events applied in order give what it holds."""
+    cache = EventRadixCache(page) if kind == "radix" else EventHashCache(page)
+    held: Counter = Counter()
+    next_page = 0
+    for op, arg, salt in ops:
+        if op == "insert":
+            n = len(arg)
+            pages = -(-n // page)
+            slots = torch.arange(next_page * page, next_page * page + n, dtype=torch.int64)
+            next_page += pages
+            cache.insert_prefix(torch.tensor(arg, dtype=torch.int64), slots, salt=salt)
+            events = cache.take_events()
+            expect = {external_block_hash(h) for h in vllm_block_hashes(arg, page, salt=salt)}
+            for event in events:
+                assert isinstance(event, BlockStored) and event.block_size == page
+                assert set(event.block_hashes) <= expect
+                assert len(event.token_ids) == page * len(event.block_hashes)
+                assert len(event.extra_keys) == len(event.block_hashes)
+        elif op == "evict":
+            cache.evict(min(arg, cache.evictable_size))
+            events = cache.take_events()
+            assert all(isinstance(e, BlockRemoved) for e in events)
+        else:
+            cache.reset()
+            events = cache.take_events()
+            assert events == [AllBlocksCleared()]
+        _apply(events, held)
+        assert held == _contents(cache)
+        decoded = decode_batch(encode_batch(KVEventBatch(0.0, events)))
+        assert decoded.events == events and decoded.bad_events == 0
+
+
+def test_salted_store_carries_the_bare_salt_on_the_first_block_only():
+    cache = EventRadixCache(2)
+    cache.insert_prefix(torch.tensor([1, 2, 3, 4]), torch.arange(4), salt="t")
+    (event,) = cache.take_events()
+    assert event.extra_keys == [("t",), None] and event.parent_block_hash is None
+    cache.insert_prefix(torch.tensor([1, 2, 3, 4, 5, 6]), torch.arange(6), salt="t")
+    (event,) = cache.take_events()
+    assert event.extra_keys == [None] and event.token_ids == [5, 6]
+    assert event.parent_block_hash == external_block_hash(
+        vllm_block_hashes([1, 2, 3, 4], 2, salt="t")[-1])
+
+
+def test_match_and_split_say_nothing():
+    cache = EventRadixCache(2)
+    cache.insert_prefix(torch.tensor([1, 2, 3, 4, 5, 6]), torch.arange(6))
+    cache.take_events()
+    cache.match_prefix(torch.tensor([1, 2, 3, 4, 9, 9]))  # splits the node at 4
+    assert cache.take_events() == []
+    assert cache.num_nodes == 2
+
+
+def test_use_event_cache_swaps_a_fresh_engines_cache(tiny64):
+    from minirt.engine import Engine
+    from minirt.request import Request
+
+    for kind in ("radix", "hash"):
+        engine = Engine(tiny64, capacity=256, page_size=4, cache=kind)
+        cache = use_event_cache(engine)
+        assert engine.cache is cache is engine.lifecycle.cache
+        engine.generate([Request(list(range(1, 14)), max_new_tokens=3)], progress=False)
+        stored = [e for e in cache.take_events() if isinstance(e, BlockStored)]
+        assert stored and stored[0].block_hashes[:3] == [
+            external_block_hash(h) for h in vllm_block_hashes(list(range(1, 13)), 4)]
+        with pytest.raises(RequestError, match="already holds"):
+            use_event_cache(engine)
+    engine = Engine(tiny64, capacity=256, page_size=4, host_capacity=512)
+    with pytest.raises(RequestError, match="host tier"):
+        use_event_cache(engine)
