@@ -1,0 +1,414 @@
+"""The radix tree of a request log's prompts, the hit rates it allows, and why each request
+stops sharing where it does.
+
+Requests are taken in the order they arrived. Each one is looked up, read only, in two
+trees of everything cached before it (its prompt, then the reply the server generated):
+
+- the *open* tree ignores isolation keys. The longest match there names the request's
+  *partner* (the earlier request it shares most with; among equals, the latest of its own
+  conversation, else the latest of all) and the position where the two part;
+- the *keyed* tree keeps requests with different ``IsolationKey`` apart, as a server does
+  with ``cache_salt`` (RadixCache's ``salt``). Its match is the bound at unlimited
+  capacity and page size 1; rounded down to whole pages, the bound at ``page_size``.
+
+Both are minirt ``RadixCache`` trees at page size 1 (slot values are the token ids: no
+K/V). With ``capacity``, a third ``RadixCache`` of that many tokens, at ``page_size`` with
+``policy``, replays the log as a server would (match, lock, evict, insert, unlock) and
+counts the tokens it actually hits. The losses between the four numbers are the causes
+``ISOLATION`` (open > keyed), ``BLOCK`` (keyed > paged) and ``CAPACITY`` (paged > hit);
+the divergence itself is named by ``classify``.
+
+The analysis streams: a batch of requests is rendered, analysed and dropped, and the
+trees keep the only copy of the tokens.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..cache import RadixCache
+from ..radix import RadixNode
+from .causes import (
+    BLOCK,
+    CAPACITY,
+    CAUSES,
+    COLD,
+    CONTENT,
+    EXTENDS,
+    HIT,
+    ISOLATION,
+    REORDERED,
+    RETOKENIZATION,
+    TEMPLATE,
+    VOLATILE,
+    digest,
+    message_print,
+    reasoning_of,
+    tool_prints,
+    volatile_span,
+)
+from .load import HitcheckInputError, IsolationKey, LoggedRequest
+from .render import Rendered, render_all, tokenizer_name
+
+__all__ = ["Divergence", "RequestReport", "Report", "analyze", "hit_rate_curve"]
+
+WINDOW = 16  # tokens of text shown on each side of a divergence
+
+
+@dataclass
+class Divergence:
+    """Where a request parts from its partner, and why."""
+
+    partner: int | None  # index of the earlier request it shares most with (None: none)
+    partner_line: int | None
+    position: int  # the token position where they part: the tokens they share
+    before: str  # the shared text just before the position
+    ours: str  # this request's text from the position
+    theirs: str  # the partner's cached text (prompt, then reply) from the position
+    cause: str
+    detail: str = ""
+
+
+@dataclass
+class RequestReport:
+    """One request's numbers. Token counts of its prompt: ``shared`` with any earlier
+    cached sequence (isolation keys ignored), ``bound`` at unlimited capacity and page 1,
+    ``paged`` at the page size, ``hit`` in the capacity replay (None without one)."""
+
+    index: int
+    line: int
+    conversation: str | None
+    prompt_tokens: int
+    shared: int
+    bound: int
+    paged: int
+    hit: int | None
+    divergence: Divergence
+    causes: tuple[str, ...]
+    lost: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """Everything hitcheck found in one log."""
+
+    requests: list[RequestReport]
+    tokenizer: str
+    page_size: int
+    capacity: int | None
+    policy: str
+    prompt_tokens: int
+    unique_tokens: int  # prompt tokens a cache computes at least once (unlimited capacity)
+    bound_tokens: int
+    paged_tokens: int
+    hit_tokens: int | None
+    tree_tokens: int  # tokens the keyed tree holds at the end (prompts and replies)
+    cause_counts: dict[str, int]
+    cause_tokens: dict[str, int]
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    live: list | None = None
+
+    @property
+    def bound_rate(self) -> float:
+        """The unique-token bound: hit rate at unlimited capacity, page size 1."""
+        return self.bound_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def paged_rate(self) -> float:
+        return self.paged_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hit_rate(self) -> float | None:
+        if self.hit_tokens is None:
+            return None
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_json(self) -> dict:
+        """A plain dict (``json.dumps`` takes it): totals, rates, cause counts, requests."""
+        from dataclasses import asdict
+
+        out = {k: v for k, v in asdict(self).items() if k not in ("requests", "live")}
+        out.update(bound_rate=self.bound_rate, paged_rate=self.paged_rate,
+                   hit_rate=self.hit_rate, requests=[asdict(r) for r in self.requests])
+        out["live"] = None if self.live is None else [asdict(x) for x in self.live]
+        return out
+
+
+@dataclass
+class _Seen:
+    """What later requests need of an analysed one (its tokens stay in the trees only)."""
+
+    line: int
+    conversation: str | None
+    key: IsolationKey
+    prompt_len: int
+    cached_len: int
+    end: RadixNode  # the open tree's node that ends at its cached sequence
+    tools: tuple[bytes, ...]
+    messages: tuple[tuple[str, bytes, bytes, bytes], ...]
+    reply_print: bytes | None  # digest of the reply's text as the client would send it back
+    reasoning: str  # the reply's reasoning block, if any
+
+
+def _seen(request: LoggedRequest, rendered: Rendered, end: RadixNode) -> _Seen:
+    messages: tuple = ()
+    if request.messages is not None:
+        messages = tuple(message_print(m["role"], m["content"]) for m in request.messages)
+    elif isinstance(request.prompt, str):
+        messages = (message_print("prompt", request.prompt),)
+    reply, reply_print, reasoning = request.reply, None, ""
+    if reply is not None and reply.text is not None:
+        reasoning = reply.reasoning or reasoning_of(reply.text)
+        answer = reply.text.split("</think>")[-1].strip() if "</think>" in reply.text \
+            else reply.text.strip()
+        reply_print = digest(answer)
+    return _Seen(request.line, request.conversation, request.key, len(rendered.ids),
+                 len(rendered.cached), end, tool_prints(request.tools), messages, reply_print,
+                 reasoning)
+
+
+def _path_tokens(node: RadixNode) -> memoryview:
+    """The token ids a path spells, root to ``node``."""
+    keys = []
+    while node.parent is not None:
+        keys.append(node.key)
+        node = node.parent
+    return memoryview(b"".join(k.tobytes() for k in reversed(keys))).cast("q")
+
+
+def _passes_through(end: RadixNode, node: RadixNode) -> bool:
+    while end is not None:
+        if end is node:
+            return True
+        end = end.parent
+    return False
+
+
+class _Decoder:
+    def __init__(self, tokenizer) -> None:
+        fast = getattr(tokenizer, "_tokenizer", None)
+        self.decode = (lambda ids: fast.decode(ids, skip_special_tokens=False)) if fast \
+            else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+        self.special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        if fast is not None:
+            self.special |= {i for i, a in fast.get_added_tokens_decoder().items() if a.special}
+
+    def text(self, ids) -> str:
+        try:
+            return self.decode(list(ids))
+        except Exception:  # ids outside the vocabulary (a log from another tokenizer)
+            return " ".join(map(str, ids))
+
+
+def classify(request: LoggedRequest, rendered: Rendered, me: _Seen, partner: _Seen | None,
+             theirs_ids, position: int, decoder: _Decoder) -> tuple[str, str, str, str, str]:
+    """``(cause, detail, before, ours, theirs)`` for a request that shares ``position`` tokens
+    with ``partner``'s cached sequence ``theirs_ids`` (prompt, then reply)."""
+    ids = rendered.ids
+    p = position
+    before = decoder.text(ids[max(0, p - WINDOW):p])
+    ours = decoder.text(ids[p:p + WINDOW])
+    theirs = decoder.text(theirs_ids[p:p + WINDOW]) if theirs_ids is not None else ""
+    if partner is None or p == 0:
+        return COLD, "shares no token with any earlier prompt", before, ours, theirs
+    if p == len(ids):
+        return HIT, "the whole prompt was cached", before, ours, theirs
+    if p == len(theirs_ids):
+        what = "prompt and reply" if partner.cached_len > partner.prompt_len else "prompt"
+        return EXTENDS, f"continues line {partner.line}'s whole {what}", before, ours, theirs
+    if p >= partner.prompt_len:  # inside what the server generated for the partner
+        cause, detail = _in_reply(request, rendered, partner, theirs_ids, p, ours, theirs,
+                                  decoder)
+        return cause, detail, before, ours, theirs
+    cause, detail = _in_prompt(me, partner, before, ours, theirs)
+    return cause, detail, before, ours, theirs
+
+
+def _in_reply(request: LoggedRequest, rendered: Rendered, partner: _Seen, theirs_ids, p: int,
+              ours: str, theirs: str, decoder: _Decoder) -> tuple[str, str]:
+    mine, gen = rendered.ids[p], theirs_ids[p]
+    if gen in decoder.special or mine in decoder.special:
+        return TEMPLATE, (f"end-of-turn marker: the reply ended with "
+                          f"{decoder.text([gen])!r}, the history renders "
+                          f"{decoder.text([mine])!r}")
+    if partner.reasoning and partner.reasoning not in rendered.text:
+        return TEMPLATE, ("reasoning dropped: the template leaves line "
+                          f"{partner.line}'s reasoning out of the history")
+    common = 0
+    for a, b in zip(ours, theirs, strict=False):
+        if a != b:
+            break
+        common += 1
+    if common:
+        return RETOKENIZATION, (f"same text, other ids: generated {int(gen)}, the text sent "
+                                f"back tokenizes to {int(mine)}")
+    sent = {digest(m["content"].strip()) for m in request.messages or ()
+            if m["role"] == "assistant"}
+    if partner.reply_print is not None and partner.reply_print in sent:
+        return TEMPLATE, "the reply sent back renders differently from how it was generated"
+    return CONTENT, f"the history differs from line {partner.line}'s reply"
+
+
+def _in_prompt(me: _Seen, partner: _Seen, before: str, ours: str,
+               theirs: str) -> tuple[str, str]:
+    values = volatile_span(before, ours, theirs)
+    if values is not None:
+        return VOLATILE, f"{values[0]!r} here, {values[1]!r} in line {partner.line}"
+    if me.tools != partner.tools and sorted(me.tools) == sorted(partner.tools):
+        return REORDERED, "the same tools in another order"
+    for k, (a, b) in enumerate(zip(me.messages, partner.messages, strict=False)):
+        if a == b:
+            continue
+        if a[0] == b[0] and a[2] == b[2]:
+            return VOLATILE, f"messages[{k}] differs only in dates, times or ids"
+        if a[0] == b[0] and a[3] == b[3]:
+            return REORDERED, f"messages[{k}] holds the same blocks in another order"
+        return CONTENT, f"messages[{k}] differs"
+    if me.tools != partner.tools:
+        return CONTENT, "other tools"
+    if me.messages and partner.messages:
+        return TEMPLATE, "the same messages render differently"
+    return CONTENT, "the prompts differ"
+
+
+class _Replay:
+    """A capacity-limited cache replaying the log as a server would."""
+
+    def __init__(self, capacity: int, page_size: int, policy: str) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise HitcheckInputError(f"capacity must be a positive int, got {capacity!r}",
+                                     field="--capacity")
+        self.cache = RadixCache(page_size=page_size, policy=policy)
+        self.capacity, self.page = capacity, page_size
+        self.hits = 0
+
+    def step(self, prompt: array, cached: array, salt: str | None) -> int:
+        cache = self.cache
+        match = cache.match_prefix(prompt, salt=salt)
+        keep = min(len(cached), self.capacity) // self.page * self.page
+        cache.lock(match.handle)
+        need = keep - match.cached_len
+        if need > 0:
+            overflow = cache.total_size + need - self.capacity
+            if overflow > 0:
+                cache.evict(overflow)
+            part = cached[:keep]
+            cache.insert_prefix(part, part, salt=salt)
+        cache.unlock(match.handle)
+        self.hits += match.cached_len
+        return match.cached_len
+
+
+def _check(page_size: int, policy: str) -> None:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise HitcheckInputError(f"page size must be a positive int, got {page_size!r}",
+                                 field="--page-size")
+    if policy not in ("lru", "lfu", "fifo", "priority"):
+        raise HitcheckInputError(f"unknown policy {policy!r} (lru, lfu, fifo, priority)",
+                                 field="--policy")
+
+
+def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int = 1,
+            capacity: int | None = None, policy: str = "lru",
+            rendered: Sequence[Rendered] | None = None, batch: int = 4096) -> Report:
+    """Analyse a log (``load_requests``) with ``tokenizer`` (None: the book's model's).
+
+    ``rendered``, if given, is ``render_all(requests, tokenizer)`` done already.
+    """
+    from .render import load_tokenizer
+
+    _check(page_size, policy)
+    if tokenizer is None:
+        tokenizer = load_tokenizer()
+    decoder = _Decoder(tokenizer)
+    keyed_needed = any(r.key.salt() is not None for r in requests)
+    open_tree = RadixCache()
+    keyed = RadixCache() if keyed_needed else None
+    replay = _Replay(capacity, page_size, policy) if capacity is not None else None
+    last: dict[RadixNode, int] = {}  # node -> latest request whose cached sequence runs through
+    latest_in: dict[str, int] = {}  # conversation -> its latest request
+    seen: list[_Seen] = []
+    reports: list[RequestReport] = []
+    for start in range(0, len(requests), batch):
+        part = requests[start:start + batch]
+        done = rendered[start:start + batch] if rendered is not None else render_all(part,
+                                                                                     tokenizer)
+        for request, r in zip(part, done, strict=True):
+            i = len(seen)
+            prompt, cached = r.ids, r.cached
+            node, _, shared = open_tree.peek_position(prompt)
+            partner = None
+            if shared:
+                partner = last[node]
+                own = latest_in.get(request.conversation) if request.conversation else None
+                if own is not None and own != partner and _passes_through(seen[own].end, node):
+                    partner = own
+            salt = request.key.salt()
+            bound = shared if keyed is None else keyed.peek_prefix_len(prompt, salt=salt)
+            paged = bound // page_size * page_size
+            hit = replay.step(prompt, cached, salt) if replay is not None else None
+            end = open_tree.insert_prefix(cached, cached).handle.node
+            walk = end
+            while walk.parent is not None:
+                last[walk] = i
+                walk = walk.parent
+            if keyed is not None:
+                keyed.insert_prefix(cached, cached, salt=salt)
+            me = _seen(request, r, end)
+            other = seen[partner] if partner is not None else None
+            theirs = _path_tokens(other.end) if other is not None else None
+            cause, detail, before, ours, theirs_text = classify(
+                request, r, me, other, theirs, shared, decoder)
+            div = Divergence(partner, other.line if other else None, shared, before, ours,
+                             theirs_text, cause, detail)
+            causes, lost = [cause], {}
+            if shared > bound:
+                lost[ISOLATION] = shared - bound
+                causes.append(ISOLATION)
+                if other is not None and other.key != request.key:
+                    div.detail += f"; isolation key differs ({request.key.differs(other.key)})"
+            if bound > paged:
+                lost[BLOCK] = bound - paged
+                causes.append(BLOCK)
+            if hit is not None and paged > hit:
+                lost[CAPACITY] = paged - hit
+                causes.append(CAPACITY)
+            reports.append(RequestReport(i, request.line, request.conversation, len(prompt),
+                                         shared, bound, paged, hit, div, tuple(causes), lost))
+            seen.append(me)
+            if request.conversation:
+                latest_in[request.conversation] = i
+    counts = dict.fromkeys(CAUSES, 0)
+    tokens = dict.fromkeys((ISOLATION, BLOCK, CAPACITY), 0)
+    for rep in reports:
+        for c in rep.causes:
+            counts[c] += 1
+        for c, n in rep.lost.items():
+            tokens[c] += n
+    prompt_tokens = sum(r.prompt_tokens for r in reports)
+    bound_tokens = sum(r.bound for r in reports)
+    tree = keyed if keyed is not None else open_tree
+    return Report(reports, tokenizer_name(tokenizer), page_size, capacity, policy,
+                  prompt_tokens, prompt_tokens - bound_tokens, bound_tokens,
+                  sum(r.paged for r in reports), replay.hits if replay else None,
+                  tree.total_size, counts, tokens)
+
+
+def hit_rate_curve(requests: Sequence[LoggedRequest], rendered: Sequence[Rendered],
+                   capacities: Sequence[int], *, page_size: int = 1,
+                   policy: str = "lru") -> list[tuple[int, float]]:
+    """``(capacity, hit rate)`` for each capacity: the log replayed through a cache that
+    small (at ``page_size``, evicting by ``policy``), all capacities in one pass."""
+    _check(page_size, policy)
+    replays = [_Replay(c, page_size, policy) for c in capacities]
+    total = 0
+    for request, r in zip(requests, rendered, strict=True):
+        prompt, cached = r.ids, r.cached
+        salt = request.key.salt()
+        total += len(prompt)
+        for rp in replays:
+            rp.step(prompt, cached, salt)
+    return [(c, rp.hits / total if total else 0.0)
+            for c, rp in zip(capacities, replays, strict=True)]

@@ -1,0 +1,176 @@
+"""From a logged request to the token ids a server would cache: template, tokenizer, reply.
+
+A chat request is rendered through the tokenizer's chat template with the generation
+prompt (the assistant header the model continues from) and tokenized without adding
+special tokens, as ``transformers``' ``apply_chat_template`` does; a completions request
+is tokenized as it stands (or taken as ids). After the prompt, hitcheck assumes the
+server caches what it generated: the reply's token ids if the log has them, else the
+tokenizer's ids of the reply's text followed by the end-of-sequence token.
+
+Speed: a fast tokenizer splits its input at its added tokens (``<|im_start|>`` and the
+like) before anything else, so the ids of a rendered prompt are the ids of its pieces
+between added tokens, joined. Conversations resend their history and share system
+prompts, so ``render_all`` keeps each piece's ids in a memo and tokenizes only the new
+pieces, in batches on every core. Tokenizers whose added tokens strip spaces or are
+normalized do not split cleanly; for them it tokenizes whole prompts.
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .load import HitcheckInputError, LoggedRequest
+
+__all__ = ["Rendered", "load_tokenizer", "render", "render_all", "tokenizer_name"]
+
+
+@dataclass
+class Rendered:
+    """A request's prompt ids and text, and the ids the server cached after the prompt."""
+
+    ids: array  # prompt token ids
+    text: str  # the rendered prompt ("" when the prompt came as ids)
+    reply_ids: array  # the reply as cached after the prompt (empty without a reply)
+
+    @property
+    def cached(self) -> array:
+        """Prompt and reply: everything the server holds once the request is done."""
+        return self.ids + self.reply_ids if self.reply_ids else self.ids
+
+
+def tokenizer_name(tokenizer) -> str:
+    """The name a report shows for ``tokenizer``."""
+    return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+
+
+def load_tokenizer(name: str | None = None):
+    """A Hugging Face tokenizer by hub id or local folder; None for the book's model's,
+    read offline from minirt's model cache (``minirt.model.fetch_default_model``)."""
+    from transformers import AutoTokenizer
+
+    try:
+        if name is None:
+            from ..model import fetch_default_model
+
+            return AutoTokenizer.from_pretrained(str(fetch_default_model()))
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as exc:  # transformers raises OSError, ValueError, HF errors, ...
+        shown = "the book's default" if name is None else repr(name)
+        raise HitcheckInputError(
+            f"cannot load tokenizer {shown}: {type(exc).__name__}: {str(exc)[:300]} (give a "
+            "local folder holding tokenizer files, or a Hugging Face id that is cached or "
+            "reachable)", field="--tokenizer") from None
+
+
+def _chat_text(request: LoggedRequest, tokenizer) -> str:
+    kwargs = {"tokenize": False, "add_generation_prompt": True}
+    if request.tools:
+        kwargs["tools"] = request.tools
+    try:
+        return tokenizer.apply_chat_template(request.messages, **kwargs)
+    except Exception as exc:
+        raise HitcheckInputError(f"the chat template cannot render this request: "
+                                 f"{type(exc).__name__}: {str(exc)[:300]}", request.line,
+                                 "messages") from None
+
+
+class _Encoder:
+    """Text to ids with a memo of the pieces between added tokens (see the module doc)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.fast = getattr(tokenizer, "_tokenizer", None)
+        self.memo: dict[str, array] = {}
+        self.split = None
+        if self.fast is not None:
+            added = self.fast.get_added_tokens_decoder().values()
+            if all(not (a.lstrip or a.rstrip or a.single_word or a.normalized) for a in added):
+                self.added_ids = {a.content: self.fast.token_to_id(a.content) for a in added}
+                names = sorted(self.added_ids, key=len, reverse=True)
+                if names:
+                    self.split = re.compile("(" + "|".join(map(re.escape, names)) + ")")
+
+    def _encode_plain(self, texts: list[str]) -> list[list[int]]:
+        if self.fast is not None:
+            return [e.ids for e in self.fast.encode_batch(texts, add_special_tokens=False)]
+        return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    def encode_many(self, texts: Sequence[str]) -> list[array]:
+        if self.split is None:
+            return [array("q", ids) for ids in self._encode_plain(list(texts))]
+        pieces_of = [self.split.split(t) for t in texts]
+        missing = {p for pieces in pieces_of for i, p in enumerate(pieces)
+                   if i % 2 == 0 and p and p not in self.memo}
+        if missing:
+            order = list(missing)
+            for piece, ids in zip(order, self._encode_plain(order), strict=True):
+                self.memo[piece] = array("q", ids)
+        out = []
+        for pieces in pieces_of:
+            ids = array("q")
+            for i, piece in enumerate(pieces):
+                if i % 2:
+                    ids.append(self.added_ids[piece])
+                elif piece:
+                    ids.extend(self.memo[piece])
+            out.append(ids)
+        return out
+
+
+def _reply_ids(request: LoggedRequest, tokenizer, encoder: _Encoder, text_ids) -> array:
+    reply = request.reply
+    if reply is None:
+        return array("q")
+    if reply.token_ids is not None:
+        return array("q", reply.token_ids)
+    ids = array("q", text_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.append(eos)
+    return ids
+
+
+def _reply_text(request: LoggedRequest) -> str | None:
+    reply = request.reply
+    if reply is None or reply.token_ids is not None:
+        return None
+    text = reply.text or ""
+    if reply.reasoning:  # generated before the answer; a reasoning model writes its tags
+        text = f"<think>\n{reply.reasoning}\n</think>\n\n{text}"
+    return text
+
+
+def render_all(requests: Sequence[LoggedRequest], tokenizer,
+               batch: int = 4096) -> list[Rendered]:
+    """``render`` for every request, tokenizing each distinct piece of text once."""
+    encoder = _Encoder(tokenizer)
+    out: list[Rendered] = []
+    for start in range(0, len(requests), batch):
+        part = requests[start:start + batch]
+        texts, replies = [], []
+        for r in part:
+            if r.endpoint == "chat":
+                texts.append(_chat_text(r, tokenizer))
+            else:
+                texts.append(r.prompt if isinstance(r.prompt, str) else "")
+            replies.append(_reply_text(r))
+        encoded = encoder.encode_many(texts)
+        wanted = [t for t in replies if t is not None]
+        reply_encoded = iter(encoder.encode_many(wanted)) if wanted else iter(())
+        for r, text, ids, reply_text in zip(part, texts, encoded, replies, strict=True):
+            if r.endpoint == "completions" and not isinstance(r.prompt, str):
+                ids = array("q", r.prompt)  # ids as sent
+            if not ids:
+                raise HitcheckInputError("renders to an empty prompt", r.line,
+                                         "messages" if r.endpoint == "chat" else "prompt")
+            text_ids = next(reply_encoded) if reply_text is not None else ()
+            out.append(Rendered(ids, text, _reply_ids(r, tokenizer, encoder, text_ids)))
+    return out
+
+
+def render(request: LoggedRequest, tokenizer) -> Rendered:
+    """One request's prompt ids and text, and the reply ids its server cached after it."""
+    return render_all([request], tokenizer)[0]

@@ -1,0 +1,326 @@
+"""minirt.hitcheck: every cause planted once and found, the bounds against brute force,
+the command line's output forms and its errors. The book's tokenizer (SmolLM2's) unless a
+test builds its own."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from minirt.hitcheck import (
+    BLOCK,
+    CAPACITY,
+    CAUSES,
+    COLD,
+    CONTENT,
+    EXTENDS,
+    HIT,
+    ISOLATION,
+    REORDERED,
+    RETOKENIZATION,
+    TEMPLATE,
+    VOLATILE,
+    HitcheckInputError,
+    analyze,
+    load_requests,
+    load_tokenizer,
+    main,
+    render,
+    render_all,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def lines(*objs) -> list[str]:
+    return [json.dumps(o) for o in objs]
+
+
+def chat(*turns, **extra) -> dict:
+    """turns: (role, content) pairs."""
+    return {"messages": [{"role": r, "content": c} for r, c in turns], **extra}
+
+
+def run(tok, *objs, **kw):
+    return analyze(load_requests(lines(*objs)), tok, **kw)
+
+
+def causes(report) -> list[tuple[str, ...]]:
+    return [r.causes for r in report.requests]
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def test_rendering_matches_the_tokenizers_own_chat_template(tok):
+    """The memoized piecewise tokenization gives the ids apply_chat_template gives."""
+    objs = [chat(("system", "Be brief."), ("user", "Hi there, how are you?")),
+            chat(("user", "Tell me a joke.")),
+            chat(("user", "Tell me a joke."), ("assistant", "No."), ("user", "  Please!! "))]
+    requests = load_requests(lines(*objs))
+    for request, r in zip(requests, render_all(requests, tok), strict=True):
+        want = tok.apply_chat_template(request.messages, tokenize=True,
+                                       add_generation_prompt=True)
+        want = want if isinstance(want, list) else want["input_ids"]
+        assert list(r.ids) == list(want)
+        assert r.text == tok.apply_chat_template(request.messages, tokenize=False,
+                                                 add_generation_prompt=True)
+    one = render(requests[0], tok)
+    assert list(one.ids) == list(render_all(requests, tok)[0].ids) and not one.reply_ids
+
+
+def test_a_text_reply_is_cached_as_its_ids_and_the_end_of_sequence_token(tok):
+    (r,) = render_all(load_requests(lines(chat(("user", "x"), reply="Hello"))), tok)
+    assert list(r.reply_ids) == tok.encode("Hello", add_special_tokens=False) + [
+        tok.eos_token_id]
+    assert list(r.cached) == list(r.ids) + list(r.reply_ids)
+
+
+# ------------------------------------------------------------------ the bounds
+
+
+def test_bounds_agree_with_brute_force_on_random_id_prompts(tok):
+    """bound = longest common prefix with any earlier prompt; paged = bound rounded down to
+    pages; the replay at a capacity holding everything hits the paged bound exactly."""
+    rng = random.Random(5)
+    stems = [[rng.randrange(50, 500) for _ in range(rng.randrange(1, 30))] for _ in range(4)]
+    prompts = [rng.choice(stems)[: rng.randrange(1, 30)] + [rng.randrange(50, 500)
+                                                           for _ in range(rng.randrange(0, 9))]
+               for _ in range(60)]
+    report = run(tok, *({"prompt": p} for p in prompts), page_size=4, capacity=10**6)
+
+    def lcp(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    for i, (p, r) in enumerate(zip(prompts, report.requests, strict=True)):
+        best = max((lcp(p, q) for q in prompts[:i]), default=0)
+        assert (r.shared, r.bound, r.paged, r.hit) == (best, best, best // 4 * 4, best // 4 * 4)
+    assert report.bound_tokens == sum(r.bound for r in report.requests)
+    assert report.prompt_tokens == sum(map(len, prompts))
+    assert report.unique_tokens == report.prompt_tokens - report.bound_tokens
+    assert set(report.cause_counts) == set(CAUSES)
+
+
+def test_the_partner_is_the_earlier_request_sharing_most_and_its_own_conversation_first(tok):
+    report = run(tok,
+                 {"prompt": [5, 6, 7, 8], "conversation": "a"},
+                 {"prompt": [5, 6, 7, 9], "conversation": "b"},
+                 {"prompt": [5, 6, 7, 10], "conversation": "a"},
+                 {"prompt": [5, 6, 7, 11]})
+    d = [r.divergence for r in report.requests]
+    assert d[0].partner is None and d[0].cause == COLD
+    assert (d[1].partner, d[1].position) == (0, 3)
+    assert d[2].partner == 0  # ties with both: its own conversation's request
+    assert d[3].partner == 2  # no conversation: the latest
+    assert d[1].partner_line == 1
+
+
+# ------------------------------------------------------------------ one planted example per cause
+
+
+def test_volatile_timestamp_in_the_system_prompt(tok):
+    report = run(tok,
+                 chat(("system", "You are helpful. Time: 2024-05-01 10:00:01."), ("user", "Hi")),
+                 chat(("system", "You are helpful. Time: 2024-05-01 10:00:07."), ("user", "Hi")))
+    second = report.requests[1]
+    assert second.causes == (VOLATILE,)
+    assert "10:00:07" in second.divergence.detail and "10:00:01" in second.divergence.detail
+    assert second.shared < second.prompt_tokens
+
+
+def test_volatile_request_id_and_date_are_found_too(tok):
+    report = run(tok,
+                 chat(("system", "Request id: 3f2a9c1e-7b4d-4e8a-9f1c-2d3e4f5a6b7c. Be kind."),
+                      ("user", "Hi")),
+                 chat(("system", "Request id: 9b8c7d6e-1a2b-4c3d-8e9f-0a1b2c3d4e5f. Be kind."),
+                      ("user", "Hi")),
+                 chat(("system", "Today is Monday, 6 May 2024."), ("user", "Hi")),
+                 chat(("system", "Today is Tuesday, 7 May 2024."), ("user", "Hi")))
+    assert report.requests[1].causes == (VOLATILE,)
+    assert report.requests[3].causes == (VOLATILE,)
+
+
+def test_reordered_documents(tok):
+    docs = ["The moon is made of rock.", "Paris is in France.", "Water boils at 100 C."]
+    report = run(tok, chat(("user", "\n\n".join(docs) + "\n\nQuestion: where is Paris?")),
+                 chat(("user", "\n\n".join(docs[::-1]) + "\n\nQuestion: where is Paris?")))
+    assert report.requests[1].causes == (REORDERED,)
+
+
+def test_other_content_is_not_a_fault(tok):
+    report = run(tok, chat(("user", "What is the capital of France?")),
+                 chat(("user", "How tall is Everest?")))
+    assert report.requests[1].causes == (CONTENT,)
+    assert report.cause_counts[CONTENT] == 1
+
+
+def test_a_conversation_that_resends_the_reply_continues_it(tok):
+    reply = "Why did the chicken cross the road? To get to the other side!"
+    report = run(tok, chat(("user", "Tell me a joke."), reply=reply, conversation=1),
+                 chat(("user", "Tell me a joke."), ("assistant", reply), ("user", "Another"),
+                      conversation=1),
+                 chat(("user", "Tell me a joke.")))
+    assert report.requests[1].causes == (EXTENDS,)
+    assert report.requests[1].shared == len(render_all(load_requests(lines(
+        chat(("user", "Tell me a joke."), reply=reply))), tok)[0].cached)
+    assert report.requests[2].causes == (HIT,)
+
+
+def test_template_drops_reasoning_from_history(tok):
+    """The reply carried a reasoning block; the client sends back only the answer, so the
+    cached reasoning tokens are never matched again."""
+    report = run(tok,
+                 chat(("user", "2+2?"), reply={"text": "4", "reasoning": "Two and two: four."}),
+                 chat(("user", "2+2?"), ("assistant", "4"), ("user", "3+3?")))
+    second = report.requests[1]
+    assert second.causes == (TEMPLATE,)
+    assert "reasoning" in second.divergence.detail
+    assert "<think>" in second.divergence.theirs
+
+
+def test_template_end_of_turn_marker(tok):
+    """The model stopped on <|endoftext|>; the template closes the turn with <|im_end|>."""
+    answer = tok.encode("Four.", add_special_tokens=False)
+    report = run(tok,
+                 chat(("user", "2+2?"), reply=answer + [tok.convert_tokens_to_ids(
+                     "<|endoftext|>")]),
+                 chat(("user", "2+2?"), ("assistant", "Four."), ("user", "3+3?")))
+    second = report.requests[1]
+    assert second.causes == (TEMPLATE,)
+    assert "end-of-turn" in second.divergence.detail
+
+
+def test_retokenization_of_the_reply(tok):
+    """The model generated 'Hel' + 'lo'; the same text sent back tokenizes as 'Hello'."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    generated = enc("Hel") + enc("lo") + [tok.eos_token_id]
+    assert enc("Hel") + enc("lo") != enc("Hello")
+    report = run(tok, chat(("user", "Greet me"), reply=generated),
+                 chat(("user", "Greet me"), ("assistant", "Hello"), ("user", "Again")))
+    second = report.requests[1]
+    assert second.causes == (RETOKENIZATION,)
+    assert second.divergence.ours.startswith("Hello")
+    assert second.divergence.theirs.startswith("Hello")
+
+
+def test_block_granularity_and_prompts_shorter_than_a_block(tok):
+    report = run(tok, {"prompt": list(range(100, 120))}, {"prompt": list(range(100, 120))},
+                 {"prompt": [7, 8, 9]}, {"prompt": [7, 8, 9]}, page_size=16)
+    long_, short = report.requests[1], report.requests[3]
+    assert long_.causes == (HIT, BLOCK) and long_.lost == {BLOCK: 4}
+    assert (long_.bound, long_.paged) == (20, 16)
+    assert short.causes == (HIT, BLOCK) and short.paged == 0 and short.lost == {BLOCK: 3}
+    assert report.cause_tokens[BLOCK] == 7
+
+
+@pytest.mark.parametrize("field, a, b", [("cache_salt", "alice", "bob"),
+                                         ("extra_key", "k1", "k2"),
+                                         ("lora_path", "adapter-a", "adapter-b"),
+                                         ("model", "base", "my-lora")])
+def test_isolation_keys(tok, field, a, b):
+    report = run(tok, {"prompt": "hello world, a long shared prompt", field: a},
+                 {"prompt": "hello world, a long shared prompt", field: b},
+                 {"prompt": "hello world, a long shared prompt", field: b})
+    second, third = report.requests[1], report.requests[2]
+    assert second.causes == (HIT, ISOLATION)
+    assert second.bound == 0 and second.lost[ISOLATION] == second.prompt_tokens
+    assert "isolation key differs" in second.divergence.detail
+    assert third.causes == (HIT,) and third.bound == third.prompt_tokens
+
+
+def test_capacity_evicts_before_reuse(tok):
+    """Ten long distinct prompts through a cache that holds two: the first comes back
+    evicted; with room for all it hits."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(50)] for _ in range(10)]
+    objs = [{"prompt": p} for p in prompts] + [{"prompt": prompts[0]}]
+    small = run(tok, *objs, capacity=100)
+    assert small.requests[-1].causes == (HIT, CAPACITY)
+    assert small.requests[-1].hit == 0 and small.requests[-1].lost == {CAPACITY: 50}
+    big = run(tok, *objs, capacity=10_000)
+    assert big.requests[-1].causes == (HIT,) and big.requests[-1].hit == 50
+    assert big.hit_rate > small.hit_rate == 0
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_a_line_that_is_not_json(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text(json.dumps(chat(("user", "hi"))) + "\n\n{not json\n")
+    with pytest.raises(HitcheckInputError, match=r"line 3: not JSON") as err:
+        load_requests(path)
+    assert err.value.line == 3
+
+
+def test_an_unknown_role_names_its_line_and_field():
+    with pytest.raises(HitcheckInputError, match=r"line 2, field 'messages\[1\].role': "
+                                                  r"unknown role 'robot'"):
+        load_requests(lines(chat(("user", "hi")), chat(("user", "hi"), ("robot", "beep"))))
+
+
+@pytest.mark.parametrize("obj, field", [
+    ({"messages": []}, "messages"), ({"prompt": ""}, "prompt"), ({"prompt": [1, -2]}, "prompt"),
+    ({"hello": 1}, None), ({"messages": [{"role": "user", "content": 5}]},
+                           "messages[0].content"),
+    ({"prompt": "x", "reply": 3}, "reply"), ({"prompt": "x", "cache_salt": 5}, "cache_salt"),
+    ({"prompt": "x", "conversation": [1]}, "conversation"),
+    ({"prompt": "x", "reply": {"token_ids": [1.5]}}, "reply.token_ids"),
+])
+def test_bad_fields_are_named(obj, field):
+    with pytest.raises(HitcheckInputError) as err:
+        load_requests(lines(obj))
+    assert (err.value.line, err.value.field) == (1, field)
+
+
+def test_a_tokenizer_that_cannot_be_loaded(tmp_path):
+    with pytest.raises(HitcheckInputError, match="cannot load tokenizer"):
+        load_tokenizer(str(tmp_path / "no-such-tokenizer"))
+
+
+def test_the_command_line_exits_non_zero_with_a_clear_message(tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps(chat(("user", "hi"))) + "\n[1, 2]\n")
+    assert main([str(log)]) == 2
+    assert "line 2: must be a JSON object" in capsys.readouterr().err
+    log.write_text(json.dumps(chat(("user", "hi"))) + "\n")
+    assert main([str(log), "--tokenizer", str(tmp_path / "nothing")]) == 2
+    assert "cannot load tokenizer" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main([str(log), "--page-size", "0"]) == 2
+    assert "page size" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ output forms
+
+
+def test_table_json_and_plot(tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(lines(
+        chat(("system", "Time: 2024-05-01 10:00:01."), ("user", "Hi")),
+        chat(("system", "Time: 2024-05-01 10:00:07."), ("user", "Hi")),
+        {"prompt": "hello there", "cache_salt": "a"}, {"prompt": "hello there"})) + "\n")
+    assert main([str(log), "--page-size", "4", "--capacity", "64"]) == 0
+    table = capsys.readouterr().out
+    assert "unique-token bound" in table and " volatile " in table
+    assert "'10:00:07' here, '10:00:01' in line 1" in table
+    assert main([str(log), "--json", "--page-size", "4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cause_counts"][VOLATILE] == 1 and data["cause_counts"][ISOLATION] == 1
+    assert len(data["requests"]) == 4 and data["requests"][1]["divergence"]["partner"] == 0
+    assert data["bound_rate"] == data["bound_tokens"] / data["prompt_tokens"]
+    plot = tmp_path / "curve.png"
+    assert main([str(log), "--plot", str(plot), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+    rates = [rate for _, rate in data["curve"]]
+    assert rates == sorted(rates) and rates[-1] <= data["bound_rate"] + 1e-12
