@@ -31,14 +31,9 @@ import torch
 
 from minirt.engine import Engine
 from minirt.model import load_model
+from minirt.replicas import make_replicas, replay_replicas, tenant_chats
 from minirt.request import Request
-from minirt.router import (
-    ROUTING_POLICIES,
-    make_replicas,
-    make_router,
-    replay_replicas,
-    tenant_chats,
-)
+from minirt.router import ROUTING_POLICIES, make_router
 from minirt.tiers import measure_load_back
 from minirt.workloads import unique_prefix_count
 

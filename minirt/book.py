@@ -37,7 +37,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
         "kernels"),  # serve, replay: 06a; kernels: appendix 06b
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),
-    9: ("tiers", "router", "server_map",  # server_map: chapter 09a, part of chapter 9
+    9: ("tiers", "router", "replicas", "server_map",  # server_map: chapter 09a, part of chapter 9
         "kv_events", "kv_event_caches"),
     11: ("hybrid", "window_lifecycle", "state"),
 }

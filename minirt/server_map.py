@@ -334,6 +334,14 @@ MAP: list[MapRow] = [
          "--balance-rel-threshold, --max-tree-size (the router)",
          "routers fed by the engines' KV events (--kv-events-config, both) know what "
          "each replica really holds"),
+        ("replicas.replay_replicas",
+         "sglang-router 0.3.2 `src/sglang_router/launch_server.py: main` (one server process "
+         "per data-parallel rank, each on its own port, behind the router)",
+         "vllm 0.32.0 `v1/engine/core_client.py: DPLBAsyncMPClient` (data-parallel engines "
+         "behind one API server)",
+         "--dp-size (SGLang), --data-parallel-size (vLLM)",
+         "replicas in their own processes or machines; minirt's share one model in one "
+         "process and step in turn"),
         ("router.ApproxTree", "sglang-router 0.3.2 `src/policies/tree.rs: Tree` (one per model, "
          "nodes annotated with tenants)", "none",
          "--max-tree-size, --eviction-interval-secs (60)",

@@ -8,6 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirt.errors import MinirtError, RouterError
+from minirt.replicas import (
+    TenantChats,
+    chat_routing_text,
+    make_replicas,
+    replay_replicas,
+    tenant_chats,
+)
 from minirt.router import (
     DEFAULTS,
     ApproxTree,
@@ -16,12 +23,7 @@ from minirt.router import (
     LeastLoadRouter,
     RandomRouter,
     RoundRobinRouter,
-    TenantChats,
-    chat_routing_text,
-    make_replicas,
     make_router,
-    replay_replicas,
-    tenant_chats,
 )
 
 # ---------------------------------------------------------------- the reference

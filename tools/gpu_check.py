@@ -23,8 +23,9 @@ from minirt.chat import chat_script, serve_chat
 from minirt.engine import Engine
 from minirt.model import default_device, load_model, tiny_model
 from minirt.pool import KVPool
+from minirt.replicas import make_replicas, replay_replicas, tenant_chats
 from minirt.request import Request
-from minirt.router import make_replicas, make_router, replay_replicas, tenant_chats
+from minirt.router import make_router
 from minirt.tiers import WRITE_POLICIES, HostPool, copy_kv, measure_load_back
 
 FAILURES: list[str] = []

@@ -3,7 +3,7 @@
     make router-demo        (or: python tools/router_demo.py [--router-python PATH])
 
 Starts 3 ``minirt.serve`` replicas and the real router on free 127.0.0.1 ports, and
-replays a multi-tenant chat trace (``minirt.router.tenant_chats``: several system
+replays a multi-tenant chat trace (``minirt.replicas.tenant_chats``: several system
 prompts, many conversations, canned replies as history) through the router with
 ``minirt.replay``:
 
@@ -86,7 +86,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from minirt.replay import ReplayReport, replay  # noqa: E402
-from minirt.router import CacheAwareRouter, TenantChats, chat_routing_text, tenant_chats  # noqa: E402
+from minirt.replicas import TenantChats, chat_routing_text, tenant_chats  # noqa: E402
+from minirt.router import CacheAwareRouter  # noqa: E402
 from minirt.serve import ServerProcess, launch  # noqa: E402
 
 MODEL_NAME = "minirt"
