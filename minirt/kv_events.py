@@ -476,16 +476,25 @@ class ZmqEventPublisher:
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
-        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-            self._pub.bind(endpoint)
-        else:
-            self._pub.connect(endpoint)
+        try:
+            if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+        except zmq.ZMQError:
+            self._pub.close(linger=0)
+            raise
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
         self._replay = None
         self.replay_endpoint = replay_endpoint
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(replay_endpoint)
+            try:
+                self._replay.bind(replay_endpoint)
+            except zmq.ZMQError:  # leave no socket holding the PUB address
+                self._replay.close(linger=0)
+                self._pub.close(linger=0)
+                raise
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self.topic = topic
         self.data_parallel_rank = data_parallel_rank
