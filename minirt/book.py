@@ -38,7 +38,8 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),
     9: ("tiers", "router", "replicas", "server_map",  # server_map: chapter 09a, part of chapter 9
-        "kv_events", "kv_event_caches", "precise_router"),
+        "kv_events", "kv_event_caches", "precise_router",
+        "traffic"),  # traffic: chapter 09b (real traffic), part of chapter 9
     11: ("hybrid", "window_lifecycle", "state"),
 }
 

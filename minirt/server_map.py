@@ -25,7 +25,8 @@ from .book import CHAPTER_MODULES
 __all__ = ["BEYOND", "HELPERS", "MAP", "MapRow", "check_map", "markdown_table", "resolve"]
 
 # Modules that serve the notebooks, not a server: no row of their own.
-HELPERS = frozenset({"book", "viz", "widgets", "checks", "errors", "simulate", "server_map"})
+HELPERS = frozenset({"book", "viz", "widgets", "checks", "errors", "simulate", "server_map",
+                     "traffic"})
 
 _CITED = re.compile(r"(sglang-router|sglang|vllm) \d+\.\d+\.\d+ `[^`]+`")
 
