@@ -41,6 +41,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
         "kv_events", "kv_event_caches", "precise_router",
         "traffic"),  # traffic: chapter 09b (real traffic), part of chapter 9
     11: ("hybrid", "window_lifecycle", "state"),
+    12: ("hitcheck",),
 }
 
 
