@@ -24,12 +24,12 @@ trees keep the only copy of the tokens.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..cache import RadixCache
 from ..radix import RadixNode
+from ..token_ids import TokenIds
 from .causes import (
     BLOCK,
     CAPACITY,
@@ -284,7 +284,7 @@ class _Replay:
         self.capacity, self.page = capacity, page_size
         self.hits = 0
 
-    def step(self, prompt: array, cached: array, salt: str | None) -> int:
+    def step(self, prompt: TokenIds, cached: TokenIds, salt: str | None) -> int:
         cache = self.cache
         match = cache.match_prefix(prompt, salt=salt)
         keep = min(len(cached), self.capacity) // self.page * self.page
@@ -337,7 +337,8 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
                                                                                      tokenizer)
         for request, r in zip(part, done, strict=True):
             i = len(seen)
-            prompt, cached = r.ids, r.cached
+            held = TokenIds(r.cached)  # checked once; one buffer for keys and values
+            prompt = held[:len(r.ids)]
             node, _, shared = open_tree.peek_position(prompt)
             partner = None
             if shared:
@@ -348,14 +349,14 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
             salt = request.key.salt()
             bound = shared if keyed is None else keyed.peek_prefix_len(prompt, salt=salt)
             paged = bound // page_size * page_size
-            hit = replay.step(prompt, cached, salt) if replay is not None else None
-            end = open_tree.insert_prefix(cached, cached).handle.node
+            hit = replay.step(prompt, held, salt) if replay is not None else None
+            end = open_tree.insert_prefix(held, held).handle.node
             walk = end
             while walk.parent is not None:
                 last[walk] = i
                 walk = walk.parent
             if keyed is not None:
-                keyed.insert_prefix(cached, cached, salt=salt)
+                keyed.insert_prefix(held, held, salt=salt)
             me = _seen(request, r, end)
             other = seen[partner] if partner is not None else None
             theirs = _path_tokens(other.end) if other is not None else None
@@ -375,7 +376,7 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
             if hit is not None and paged > hit:
                 lost[CAPACITY] = paged - hit
                 causes.append(CAPACITY)
-            reports.append(RequestReport(i, request.line, request.conversation, len(prompt),
+            reports.append(RequestReport(i, request.line, request.conversation, len(r.ids),
                                          shared, bound, paged, hit, div, tuple(causes), lost))
             seen.append(me)
             if request.conversation:
@@ -405,7 +406,8 @@ def hit_rate_curve(requests: Sequence[LoggedRequest], rendered: Sequence[Rendere
     replays = [_Replay(c, page_size, policy) for c in capacities]
     total = 0
     for request, r in zip(requests, rendered, strict=True):
-        prompt, cached = r.ids, r.cached
+        cached = TokenIds(r.cached)
+        prompt = cached[:len(r.ids)]
         salt = request.key.salt()
         total += len(prompt)
         for rp in replays:

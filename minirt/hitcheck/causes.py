@@ -58,6 +58,8 @@ VOLATILE_PATTERN = re.compile(
     r"|\d{5,}"  # epoch seconds, counters, request numbers
 )
 
+_DIGIT = re.compile(r"\d")  # every volatile value holds a digit: text without one has none
+
 # Reasoning blocks as reasoning models write them (Qwen3's and DeepSeek-R1's tags).
 REASONING_TAGS = (("<think>", "</think>"),)
 
@@ -77,9 +79,20 @@ def blocks_of(text: str) -> list[str]:
 def message_print(role: str, content: str) -> tuple[str, bytes, bytes, bytes]:
     """What the cause rules need of one message, without keeping its text:
     ``(role, digest of content, digest with volatile values masked, digest of its sorted
-    blocks)``."""
-    masked = VOLATILE_PATTERN.sub("\0", content)
-    return role, digest(content), digest(masked), digest(sorted(blocks_of(content)))
+    blocks)``. Remembered per (role, content): a conversation resends its history."""
+    key = (role, content)
+    found = _PRINTS.get(key)
+    if found is None:
+        masked = VOLATILE_PATTERN.sub("\0", content) if _DIGIT.search(content) else content
+        found = (role, digest(content), digest(masked), digest(sorted(blocks_of(content))))
+        if len(_PRINTS) >= _PRINTS_MAX:
+            _PRINTS.clear()
+        _PRINTS[key] = found
+    return found
+
+
+_PRINTS: dict[tuple[str, str], tuple[str, bytes, bytes, bytes]] = {}
+_PRINTS_MAX = 200_000
 
 
 def tool_prints(tools: Sequence[Any] | None) -> tuple[bytes, ...]:

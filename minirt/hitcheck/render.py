@@ -65,16 +65,46 @@ def load_tokenizer(name: str | None = None):
             "reachable)", field="--tokenizer") from None
 
 
-def _chat_text(request: LoggedRequest, tokenizer) -> str:
-    kwargs = {"tokenize": False, "add_generation_prompt": True}
-    if request.tools:
-        kwargs["tools"] = request.tools
-    try:
-        return tokenizer.apply_chat_template(request.messages, **kwargs)
-    except Exception as exc:
-        raise HitcheckInputError(f"the chat template cannot render this request: "
-                                 f"{type(exc).__name__}: {str(exc)[:300]}", request.line,
-                                 "messages") from None
+class _Template:
+    """The tokenizer's chat template, compiled once and rendered with what
+    ``apply_chat_template`` passes it (special tokens, tools, reasoning aliases), without
+    its per-call overhead; ``apply_chat_template`` itself where that cannot be done."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.compiled: dict[bool, object] = {}
+        try:
+            from transformers.utils.chat_template_utils import (
+                _alias_reasoning_fields,
+                _compile_jinja_template,
+            )
+
+            self.alias, self.compile = _alias_reasoning_fields, _compile_jinja_template
+            self.special = dict(tokenizer.special_tokens_map)
+        except (ImportError, AttributeError):  # another transformers: the slow, sure path
+            self.compile = None
+
+    def _template(self, with_tools: bool):
+        if with_tools not in self.compiled:
+            text = self.tokenizer.get_chat_template(None, [{}] if with_tools else None)
+            self.compiled[with_tools] = self.compile(text)
+        return self.compiled[with_tools]
+
+    def text(self, request: LoggedRequest) -> str:
+        try:
+            if self.compile is None:
+                return self.tokenizer.apply_chat_template(
+                    request.messages, tools=request.tools or None, tokenize=False,
+                    add_generation_prompt=True)
+            messages = self.alias([{k: v for k, v in m.items() if v is not None}
+                                   for m in request.messages])
+            return self._template(bool(request.tools)).render(
+                messages=messages, tools=request.tools or None, documents=None,
+                add_generation_prompt=True, **self.special)
+        except Exception as exc:
+            raise HitcheckInputError(f"the chat template cannot render this request: "
+                                     f"{type(exc).__name__}: {str(exc)[:300]}", request.line,
+                                     "messages") from None
 
 
 class _Encoder:
@@ -147,13 +177,14 @@ def render_all(requests: Sequence[LoggedRequest], tokenizer,
                batch: int = 4096) -> list[Rendered]:
     """``render`` for every request, tokenizing each distinct piece of text once."""
     encoder = _Encoder(tokenizer)
+    template = _Template(tokenizer)
     out: list[Rendered] = []
     for start in range(0, len(requests), batch):
         part = requests[start:start + batch]
         texts, replies = [], []
         for r in part:
             if r.endpoint == "chat":
-                texts.append(_chat_text(r, tokenizer))
+                texts.append(template.text(r))
             else:
                 texts.append(r.prompt if isinstance(r.prompt, str) else "")
             replies.append(_reply_text(r))
