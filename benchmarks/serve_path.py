@@ -35,6 +35,7 @@ import httpx
 
 import minirt.serve as serve
 from minirt.engine import Engine
+from minirt.engine_worker import EngineWorker
 
 MARKS = ("tokenize0", "tokenize1", "taken", "step0", "token", "sent")
 
@@ -43,8 +44,8 @@ def instrument() -> dict[str, list]:
     """Wrap the worker's hand-offs; return the lists they append their times to."""
     times: dict[str, list] = {m: [] for m in MARKS}
     seen: set[str] = set()
-    encode, command, on_token = (serve.EngineWorker.encode, serve.EngineWorker._command,
-                                 serve.EngineWorker._on_token)
+    encode, command, on_token = (EngineWorker.encode, EngineWorker._command,
+                                 EngineWorker._on_token)
     step, sse = Engine.step, serve._sse
 
     async def timed_encode(self, prompt=None, messages=None):
@@ -78,8 +79,8 @@ def instrument() -> dict[str, list]:
                 first = False
             yield piece
 
-    serve.EngineWorker.encode, serve.EngineWorker._command = timed_encode, timed_command
-    serve.EngineWorker._on_token, Engine.step, serve._sse = timed_on_token, timed_step, timed_sse
+    EngineWorker.encode, EngineWorker._command = timed_encode, timed_command
+    EngineWorker._on_token, Engine.step, serve._sse = timed_on_token, timed_step, timed_sse
     return times
 
 

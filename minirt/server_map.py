@@ -198,6 +198,14 @@ MAP: list[MapRow] = [
          "/v1/chat/completions)",
          "vllm 0.32.0 `entrypoints/openai/api_server.py`", "--host, --port (both)",
          "tokenizer and detokenizer in their own processes; streaming"),
+        ("engine_worker.EngineWorker",
+         "sglang 0.5.23 `srt/managers/tokenizer_manager.py: TokenizerManager` hands requests to "
+         "sglang 0.5.23 `srt/managers/scheduler.py: Scheduler.event_loop_normal` in its own "
+         "process; sglang 0.5.23 `srt/managers/detokenizer_manager.py: DetokenizerManager`",
+         "vllm 0.32.0 `v1/engine/async_llm.py: AsyncLLM` hands requests to "
+         "vllm 0.32.0 `v1/engine/core.py: EngineCoreProc.run_busy_loop` in its own process; "
+         "vllm 0.32.0 `v1/engine/detokenizer.py: FastIncrementalDetokenizer`",
+         "-", "processes and ZMQ sockets where minirt has threads and queues"),
         ("replay.replay", "sglang 0.5.23 `benchmark/serving.py` (python -m "
          "sglang.benchmark.serving)",
          "vllm 0.32.0 `benchmarks/serve.py` (vllm bench serve)", "--request-rate (both)", "-"),

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from minirt.engine import Engine
+from minirt.engine_worker import TextDeltas
 from minirt.model import load_model
 from minirt.replay import arrival_times, main, replay
 from minirt.request import Request
-from minirt.serve import TextDeltas, launch
+from minirt.serve import launch
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -324,8 +325,9 @@ def tiny_server(tmp_path_factory):
 
     import uvicorn
 
+    from minirt.engine_worker import EngineWorker
     from minirt.model import tiny_model
-    from minirt.serve import EngineWorker, build_app
+    from minirt.serve import build_app
 
     worker = EngineWorker(Engine(tiny_model(0), CharTokenizer(), capacity=2048),
                           step_log=tmp_path_factory.mktemp("serve") / "steps.jsonl").start()
@@ -416,8 +418,8 @@ def test_the_step_log_accounts_for_every_request_and_token(tiny_server):
 def test_a_step_log_that_cannot_be_written_fails_at_once(tmp_path, capsys):
     """An unwritable --step-log is refused before the model loads, and an EngineWorker
     given one raises when made (it used to die on its thread, and start() waited forever)."""
+    from minirt.engine_worker import EngineWorker
     from minirt.model import tiny_model
-    from minirt.serve import EngineWorker
     from minirt.serve import main as serve_main
 
     missing = tmp_path / "no such folder" / "steps.jsonl"
