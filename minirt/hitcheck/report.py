@@ -46,7 +46,7 @@ def format_table(report: Report, *, limit: int | None = 50) -> str:
         lines.append(f"  {cause:<15} {n:>7}{extra}")
     rows = report.requests if limit is None else report.requests[:limit]
     lines += ["", f"{'line':>6} {'prompt':>7} {'shared':>7} {'bound':>7} {'paged':>7} "
-              f"{'hit':>7} {'partner':>7}  {'cause':<15} where they part"]
+              f"{'hit':>7} {'partner':>7}  {'cause':<22} where they part"]
     for r in rows:
         d = r.divergence
         hit = "-" if r.hit is None else str(r.hit)
@@ -57,7 +57,7 @@ def format_table(report: Report, *, limit: int | None = 50) -> str:
             where = (f"@{d.position} …{d.before[-20:]!r} | ours "
                      f"{_clip(d.ours, 24)!r} theirs {_clip(d.theirs, 24)!r}")
         lines.append(f"{r.line:>6} {r.prompt_tokens:>7} {r.shared:>7} {r.bound:>7} "
-                     f"{r.paged:>7} {hit:>7} {partner:>7}  {cause:<15} {where}")
+                     f"{r.paged:>7} {hit:>7} {partner:>7}  {cause:<22} {where}")
         if d.detail and (d.cause != "hit" or len(r.causes) > 1):
             lines.append(f"{'':>6} {d.detail}")
     if limit is not None and len(report.requests) > limit:
@@ -83,6 +83,9 @@ def format_live(report: Report) -> str:
             note = "the server counts another prompt length (another template or tokenizer?)"
         if rec.cached_tokens is None and rec.error is None:
             note = "no cached_tokens in the response"
+        elif rec.cached_tokens is not None and rec.cached_tokens > rec.possible:
+            note = ("cached more than possible: the server shares across isolation keys, "
+                    "or cached its own reply")
         cached_total += rec.cached_tokens or 0
         possible_total += rec.possible
         lines.append(f"{rec.line:>6} {rec.expected_prompt_tokens:>7} {served:>7} {cached:>7} "
