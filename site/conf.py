@@ -2,8 +2,9 @@
 
 The source folder is the repository root, this folder only configures it:
 ``sphinx-build -c site . _build/html``. Pages: the README (home, also ``index.html``),
-every notebook in ``chapters/`` in name order, the exercises and the solutions, and the
-README's bibliography. Nothing executes: each page shows the outputs the notebook stores.
+every notebook in ``chapters/`` in name order, the exercises and the solutions, the
+README's bibliography, and the benchmarks' results (``benchmarks/README.md``). Nothing
+executes: each page shows the outputs the notebook stores.
 Nothing is loaded from the network at view time: MathJax 2 is Debian's ``libjs-mathjax``
 (or ``MINIRT_MATHJAX``), the widget JavaScript is vendored by ``site/vendor.py``.
 """
@@ -25,7 +26,7 @@ project = "minirt"
 author = "the minirt authors"
 root_doc = "README"
 include_patterns = ["README.md", "chapters/*.ipynb", "exercises/*.ipynb",
-                    "solutions/*.ipynb", "site/*.md"]
+                    "solutions/*.ipynb", "site/*.md", "benchmarks/README.md"]
 exclude_patterns = ["_build", ".venv*", "**/.ipynb_checkpoints"]
 extensions = ["myst_nb", "sphinx_copybutton"]
 copybutton_exclude = ".linenos, .gp"  # line numbers and prompts are not copied
@@ -105,6 +106,7 @@ site/solutions
 :caption: Reading
 
 site/bibliography
+benchmarks/README
 ```
 """
 
