@@ -33,8 +33,8 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     3: ("cache", "token_ids", "widgets"),
     4: ("pool", "forward", "lifecycle"),  # forward: over 06's llama, attention, working_set
     5: ("eviction", "simulate", "traces"),  # traces: production traffic, no chapter yet
-    6: ("request", "engine", "chat", "llama", "attention", "working_set", "serve", "engine_worker",
-        "replay", "kernels"),  # serve, engine_worker, replay: 06a; kernels: appendix 06b
+    6: ("request", "engine", "chat", "llama", "attention", "working_set", "serve", "replay",
+        "kernels"),  # serve, replay: 06a; kernels: appendix 06b
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),
     9: ("tiers", "router", "replicas", "server_map",  # server_map: chapter 09a, part of chapter 9

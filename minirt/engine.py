@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import MatchResult, PrefixCache, RadixCache
+from .cache import MatchResult, RadixCache
 from .errors import InvalidIdsError, ModelError, PoolError, RequestError, TierError
 from .eviction import EvictionPolicy
-from .lifecycle import Lifecycle, greedy_token, node_path
+from .lifecycle import Lifecycle, greedy_token, make_cache, node_path
 from .lifecycle import Request as LifecycleRequest
 from .model import fuse_projections
 from .pool import KVPool
@@ -55,6 +55,7 @@ from .request import (
     RequestResult,
     chat_prompt_ids,
     check_request,
+    eos_token_id,
     sampler,
     summarize,
 )
@@ -168,6 +169,9 @@ class Engine:
     in a pool of ``capacity`` tokens, window layers' in one of ``window_capacity`` (default
     ``capacity``); page size 1, LRU, no host tier, salt or deterministic mode (PoolError,
     TierError, ModelError: nothing is built).
+    ``speculative`` (None, a ``minirt.speculative.SpeculativeConfig`` or a dict of its fields):
+    prompt-lookup drafts, verified beside the step's prefills, rejected K/V rolled back
+    (chapter 13); a setting or combination it does not run is refused before anything is built.
     """
 
     def __init__(self, model, tokenizer=None, capacity: int = 8192, page_size: int = 1,
@@ -176,7 +180,8 @@ class Engine:
                  schedule: str | Scheduler = "fcfs", cache: str | None = None,
                  host_capacity: int | None = None, write_policy: str = "write_through",
                  write_through_threshold: int = 1, deterministic: bool = False,
-                 window_capacity: int | None = None, chunked_prefill: bool = False) -> None:
+                 window_capacity: int | None = None, chunked_prefill: bool = False,
+                 speculative=None) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) \
                 or token_budget < 1:
             raise RequestError(f"token_budget must be a positive int, got {token_budget!r}")
@@ -184,7 +189,11 @@ class Engine:
 
         if cache is None:
             cache = "window" if has_window_layers(model) else "radix"
-        self.windowed = cache == "window"
+        self.windowed, spec = cache == "window", None
+        if speculative is not None:  # chapter 13's module, loaded when asked for
+            from .speculative import Speculator, check_speculative
+
+            spec = check_speculative(speculative, model, cache, host_capacity)
         if self.windowed:
             _check_window_settings(page_size, policy, deterministic)
         if host_capacity is not None:
@@ -206,7 +215,7 @@ class Engine:
         else:
             self.pool = KVPool.for_model(model, capacity, page_size)
             if host_capacity is None:
-                self.cache = _make_cache(cache, page_size, policy)
+                self.cache = make_cache(cache, page_size, policy)
             else:
                 from .tiers import HiRadixCache
 
@@ -223,10 +232,11 @@ class Engine:
         self.chunked_prefill = chunked_prefill
         self.lifecycle.share_runs = use_cache  # without a cache, nothing is computed once
         self.lifecycle.deterministic = deterministic  # forward.py's switch (chapter 10)
+        self.speculator = None if spec is None else Speculator(self.lifecycle, spec)
         config = model.config.get_text_config(decoder=True)
         self.vocab_size = int(config.vocab_size)
         self.max_positions = getattr(config, "max_position_embeddings", None)
-        self.eos_token_id = _eos_id(model, tokenizer)
+        self.eos_token_id = eos_token_id(model, tokenizer)
         self._next_rid = 0
         self._waiting: deque[RequestHandle] = deque()
         self._prefilling: list[RequestHandle] = []  # admitted, prompt part-way (chunked)
@@ -303,6 +313,8 @@ class Engine:
         final = -(-(ids.numel() + request.max_new_tokens - 1) // ps) * ps
         job = RequestHandle(rid, request, arrival, lc_req,
                             RequestResult(rid, request, prompt_ids=ids.tolist()), final)
+        if self.speculator is not None:  # it reads the sampler's settings: before the guard
+            self.speculator.track(lc_req)
         if lc_req.next_token is not greedy_token:
             lc_req.next_token = self._guarded(lc_req.next_token, job.failure)
         self._waiting.append(job)
@@ -321,19 +333,25 @@ class Engine:
         out = StepOutput()
         start = time.perf_counter()
         running = list(self._running)  # they decode; the prefilled get their first token
+        before = [len(j.lc.output) for j in running]  # a verify step may append several
         plan, chunks = self._admit()
         out.admit_s = time.perf_counter() - start
         if plan or running:
             start = time.perf_counter()
-            self.lifecycle.step([j.lc for j in plan], [j.lc for j in running], chunks)
+            (self.speculator or self.lifecycle).step([j.lc for j in plan],
+                                                     [j.lc for j in running], chunks)
             seconds = time.perf_counter() - start
             for job, chunk in zip(plan, chunks, strict=True):
                 job.prefill_time += seconds
                 out.prefilled.append((job.rid, chunk))
             self._prefilling = [j for j in self._prefilling if not j.lc.output]
             self._started([j for j in plan if j.lc.output], out, on_token)
-            for job in running:
-                self._emit(job, out, on_token)
+            for job, n in zip(running, before, strict=True):
+                while n < len(job.lc.output) and not job.stopped:
+                    n += 1
+                    self._emit(job, out, on_token, n)
+                if n < len(job.lc.output):  # a stop string ended it: speculation's tokens go
+                    self.speculator.truncate(job.lc, n)
             out.forward_s = time.perf_counter() - start
             self._check()
         for job in [j for j in self._running if self._done(j)]:
@@ -585,12 +603,13 @@ class Engine:
         return pick
 
     def _emit(self, job: RequestHandle, out: StepOutput,
-              on_token: TokenCallback | None) -> None:
-        """Report (and stream) the token the lifecycle just appended; watch for stop strings."""
-        token = job.lc.output[-1]
+              on_token: TokenCallback | None, n: int | None = None) -> None:
+        """Report (and stream) the token the lifecycle just appended (the ``n``-th output
+        token when a verify step appended several); watch for stop strings."""
+        token = job.lc.output[-1 if n is None else n - 1]
         out.tokens.append((job.rid, token))
         if job.request.stop and not job.stopped:
-            text = self.tokenizer.decode(job.lc.output, skip_special_tokens=True)
+            text = self.tokenizer.decode(job.lc.output[:n], skip_special_tokens=True)
             job.stopped = any(s in text for s in job.request.stop)
         if on_token is not None:
             on_token(job.rid, token)
@@ -636,6 +655,8 @@ class Engine:
         if self.check:
             self.lifecycle.check_integrity()
             self.lifecycle.working.check([j.lc.page_table for j in self._running])
+            if self.speculator is not None:  # rolled back; nothing rejected in the tree
+                self.speculator.check([j.lc for j in self._running])
 
     # ------------------------------------------------------------ housekeeping
     def flush(self) -> int:
@@ -662,20 +683,6 @@ class Engine:
                 f"cached={self.cache.total_size})")
 
 
-def _make_cache(kind: str, page_size: int, policy: str | EvictionPolicy) -> PrefixCache:
-    """The engine's prefix cache: "radix" (``RadixCache``) or "hash" (``HashCache``)."""
-    if kind == "radix":
-        return RadixCache(page_size=page_size, policy=policy)
-    if kind == "hash":
-        if policy != "lru":
-            raise ValueError(f"policy {policy!r} applies to the radix cache only: the hash "
-                             "cache evicts in free-queue order")
-        from .hashcache import HashCache  # chapter 08's module, loaded only when asked for
-
-        return HashCache(block_size=page_size)
-    raise ValueError(f"cache must be 'radix', 'hash' or 'window', got {kind!r}")
-
-
 def _check_window_settings(page_size: int, policy, deterministic: bool) -> None:
     """What chapter 11's window cache does not do: pages, other policies, determinism."""
     if page_size != 1:
@@ -687,12 +694,3 @@ def _check_window_settings(page_size: int, policy, deterministic: bool) -> None:
         raise ModelError("deterministic mode runs a Llama through aligned attention; the "
                          "window cache's forward (forward_windowed) has no such mode")
 
-
-def _eos_id(model, tokenizer) -> int | None:
-    """The end-of-sequence token: the tokenizer's, else the model's generation config's."""
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if eos is None:
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    return None if eos is None else int(eos)

@@ -21,7 +21,7 @@ arithmetic. This module lays a batch out for them:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,7 +34,7 @@ from .pool import KVPool, PagedBatch, PageTable, PoolCache, as_index_tensor
 from .working_set import WorkingKV, _common_prefix
 
 __all__ = ["LayerKV", "PrefillPart", "PrefillPlan", "forward_mixed", "forward_paged",
-           "forward_windowed"]
+           "forward_verify", "forward_windowed"]
 
 
 @torch.inference_mode()
@@ -470,3 +470,55 @@ def forward_windowed(model, layers: Sequence[LayerKV], tables: Sequence[Sequence
 
     logits = llama_forward(model, input_ids.to(device), positions.to(device), attend)
     return list(logits)
+
+
+# ---------------------------------------------------------------------------
+# Speculative decoding (minirt.speculative): a verify step beside the step's prefills.
+
+
+@torch.inference_mode()
+def forward_verify(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Sequence,
+                   verify_tables: Sequence[PageTable], verify_ids: Sequence,
+                   share_runs: bool = True, deterministic: bool = False,
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prefills and verify extends in one forward pass of a Llama (ModelError otherwise).
+
+    ``tables``/``new_ids``: prefills, as ``forward_paged`` runs them (last logits each,
+    ``[vocab]``); either list may be empty. ``verify_tables``/``verify_ids``: each running
+    request's last token followed by its drafts, the last ``len(verify_ids[r])`` positions
+    of its table (slots already taken): an extend like a prefill chunk, but the logits of
+    *every* position are returned, ``[len(verify_ids[r]), vocab]`` each. Each extend
+    computes its own tokens (no common run). In deterministic mode both parts run
+    ``_aligned_rows``, so a verified position gets the bits one-token decode would give.
+    """
+    _require_llama(model)
+    if not tables and not verify_tables:
+        raise PoolError("forward_verify needs something to prefill or verify")
+    if {id(t) for t in tables} & {id(t) for t in verify_tables}:
+        raise PoolError("forward_verify: a request cannot prefill and verify in one pass")
+    if deterministic:
+        prepack_bf16(model)
+    parts, vids = [], []
+    if tables:
+        parts.append(_prefill_rows(pool, tables, _new_ids(tables, new_ids), share_runs,
+                                   deterministic))
+    if verify_tables:
+        vids = _new_ids(verify_tables, verify_ids)
+        parts.append(_extend_rows(pool, verify_tables, vids, deterministic))
+    out = _run(model, parts, deterministic)
+    prefill = list(out[0]) if tables else []
+    verify = list(out[-1].split([x.numel() for x in vids])) if verify_tables else []
+    return prefill, verify
+
+
+def _extend_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch.Tensor],
+                 deterministic: bool) -> _Rows:
+    """``_prefill_rows`` of ``ids`` with the logits of every new token, request by request
+    (a ``PrefillPlan``'s rows are grouped by length: each request's run of rows is found in
+    its part)."""
+    if deterministic:
+        return _aligned_rows(pool, tables, ids, last_only=False)
+    plan = PrefillPlan.build(tables, ids, pool.dtype, share_runs=False)
+    first = {r: p.start + i * p.length for p in plan.parts for i, r in enumerate(p.requests)}
+    rows = torch.cat([torch.arange(first[r], first[r] + x.numel()) for r, x in enumerate(ids)])
+    return replace(_prefill_rows(pool, tables, ids, share_runs=False), last=rows.to(pool.device))

@@ -49,7 +49,7 @@ __all__ = [
     "Request",
     "check_integrity",
     "greedy_reference",
-    "greedy_token",
+    "greedy_token", "make_cache",
     "matched_paths",
     "node_path",
     "pool_map",
@@ -660,3 +660,24 @@ def pool_map(lc: Lifecycle) -> list[str]:
         for s in r.private.tolist():
             labels[s] = r.rid
     return labels
+
+
+# ---------------------------------------------------------------- a cache by name
+
+from .cache import RadixCache  # noqa: E402 - only make_cache needs these two
+from .eviction import EvictionPolicy  # noqa: E402
+
+
+def make_cache(kind: str, page_size: int, policy: str | EvictionPolicy = "lru") -> PrefixCache:
+    """A prefix cache for a ``Lifecycle``: "radix" (``RadixCache``, evicting by ``policy``) or
+    "hash" (chapter 08's ``HashCache``, free-queue order); ValueError for anything else."""
+    if kind == "radix":
+        return RadixCache(page_size=page_size, policy=policy)
+    if kind == "hash":
+        if policy != "lru":
+            raise ValueError(f"policy {policy!r} applies to the radix cache only: the hash "
+                             "cache evicts in free-queue order")
+        from .hashcache import HashCache  # chapter 08's module, loaded only when asked for
+
+        return HashCache(block_size=page_size)
+    raise ValueError(f"cache must be 'radix', 'hash' or 'window', got {kind!r}")

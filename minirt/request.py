@@ -34,6 +34,7 @@ __all__ = [
     "Totals",
     "chat_prompt_ids",
     "check_request",
+    "eos_token_id",
     "sample_token",
     "sampler",
     "summarize",
@@ -280,3 +281,13 @@ class GenerateResult:
     def outputs(self) -> list[list[int]]:
         """Output token ids per request ([] for a rejected one)."""
         return [r.output_ids for r in self.results]
+
+
+def eos_token_id(model, tokenizer) -> int | None:
+    """The end-of-sequence token: the tokenizer's, else the model's generation config's."""
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is None:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return None if eos is None else int(eos)
