@@ -151,3 +151,31 @@ def test_progress_yields_every_item_and_leaves_no_bar(capsys, monkeypatch):
     assert list(progress([5], desc="quiet")) == [5]
     captured = capsys.readouterr()
     assert "%|" not in captured.out  # outside a notebook, tqdm's text bar is erased (stderr)
+
+
+def test_the_split_modules_sit_where_book_md_draws_them():
+    """BOOK.md s.4's layers for the modules issue 55 split off: the checked token ids sit
+    between the radix tree's nodes and the cache (the cache reads them, they read no cache,
+    pool or model); the router sees only text (no engine, request, workload or replica
+    harness), and the replica harness runs routers on engines; the engine thread sits under
+    the HTTP layer and knows no HTTP."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(book.__file__).parent
+    names = ("radix", "token_ids", "cache", "router", "replicas", "engine_worker", "serve")
+    deps = {m: _minirt_imports(pkg / f"{m}.py") for m in names}
+    assert "radix" in deps["token_ids"] and "token_ids" in deps["cache"]
+    assert not deps["token_ids"] & {"cache", "eviction", "pool", "lifecycle", "engine", "model"}
+    assert "token_ids" not in deps["radix"]
+    assert deps["router"] <= {"errors"}
+    assert {"router", "engine"} <= deps["replicas"] and "replicas" not in deps["router"]
+    assert "engine" in deps["engine_worker"] and "engine_worker" in deps["serve"]
+    assert not deps["engine_worker"] & {"serve", "replay", "router", "replicas"}
+    absolute: set[str] = set()  # the engine thread's imports from outside minirt
+    for node in ast.walk(ast.parse((pkg / "engine_worker.py").read_text())):
+        if isinstance(node, ast.Import):
+            absolute.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            absolute.add((node.module or "").split(".")[0])
+    assert "asyncio" in absolute and not absolute & {"fastapi", "starlette", "uvicorn", "httpx"}
