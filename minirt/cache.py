@@ -12,10 +12,10 @@ Every token the tree holds is either *evictable* (no request uses it) or *protec
 (its node's ref_count > 0); the two sizes are kept up to date as locks come and go.
 
 Where it sits (BOOK.md s.4's layers): above the radix tree's nodes (``radix``), the
-eviction policies (``eviction``) and the checked ids (``token_ids``), and below the
-pool, the lifecycle and the engine, which use it through ``PrefixCache``, the protocol
-it shares with the block-hash cache. ``Salt`` and ``SaltedKey`` are here because a salt
-is a namespace of the tree, not a property of the ids.
+eviction policies (``eviction``) and the checked ids (``token_ids``); the lifecycle, the
+engine and the server above it reach it through ``PrefixCache``, the protocol it shares
+with the block-hash cache. ``Salt`` and ``SaltedKey`` are here because a salt is a
+namespace of the tree, not a property of the ids.
 """
 
 from __future__ import annotations
