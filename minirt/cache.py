@@ -34,7 +34,7 @@ from .errors import (
     RequestError,
     StaleHandleError,
 )
-from .eviction import EvictionPolicy, LeafHeap, is_evictable_leaf, make_policy
+from .eviction import EvictionPolicy, LeafHeap, NodeTracking, is_evictable_leaf, make_policy
 from .radix import RadixNode, Tokens, page_key
 from .token_ids import IdsLike, TokenIds, as_ids, as_token_view, slots_tensor
 
@@ -210,10 +210,13 @@ class RadixCache:
         self.page_size = page_size
         self.key_fn = page_key(page_size)
         self.policy = make_policy(policy)
+        self._tracking = self.policy if isinstance(self.policy, NodeTracking) else None
         self.reset()
 
     def reset(self) -> None:
         """Empty the cache (tree, sizes, statistics); every existing handle becomes stale."""
+        if self._tracking is not None and hasattr(self, "root"):
+            self._forget_all()
         self.root = RadixNode(self.key_fn)
         self._heap = LeafHeap(self.policy)
         self._locks: dict[RadixNode, int] = {}  # handle's node -> locks taken through it
@@ -291,6 +294,8 @@ class RadixCache:
         parent.children[key_fn(key)] = leaf
         self._evictable += leaf.length
         self._num_nodes += 1
+        if self._tracking is not None:
+            self._tracking.node_added(leaf)
         self._heap.push(leaf)
         return leaf
 
@@ -334,8 +339,7 @@ class RadixCache:
             m = child.get_match_len(ids, pos)  # >= one page: the first page is the key
             stopped_inside = m < child.length
             if stopped_inside:
-                child = child.split_at(m)
-                self._num_nodes += 1
+                child = self._split(child, m)
             runs.append(child.value)
             node, pos = child, pos + m
             if stopped_inside:
@@ -466,6 +470,8 @@ class RadixCache:
         node.parent = None  # marks the node evicted: handles to it are now stale
         self._evictable -= node.length
         self._num_nodes -= 1
+        if self._tracking is not None:
+            self._tracking.node_removed(node)
         if is_evictable_leaf(parent):
             self._heap.push(parent)
 
@@ -609,6 +615,24 @@ class RadixCache:
             f"nodes={self._num_nodes}, evictable={self._evictable}, "
             f"protected={self._protected})"
         )
+
+    # ------------------------------------------------------------------ policies with state
+
+    def _split(self, node: RadixNode, pos: int) -> RadixNode:
+        """``node.split_at(pos)``, counted; a ``NodeTracking`` policy hears of it, and the
+        lower half, whose key may have dropped (it now starts deeper), is filed again."""
+        upper = node.split_at(pos)
+        self._num_nodes += 1
+        if self._tracking is not None:
+            self._tracking.node_split(upper, node)
+            if is_evictable_leaf(node):
+                self._heap.push(node)
+        return upper
+
+    def _forget_all(self) -> None:
+        """Tell a ``NodeTracking`` policy that every node of the tree is gone (reset)."""
+        for node in self.nodes():
+            self._tracking.node_removed(node)
 
 
 def _copy(run: Tokens) -> Tokens:

@@ -246,3 +246,205 @@ class LeafHeap:
         a heap made with ``rebuild=False``.
         """
         return self._rebuild_at if self._rebuilds else None
+
+
+# ------------------------------------------------ SGLang's segmented and tail-optimized LRU
+#
+# SGLang 0.5.23's ``--radix-eviction-policy`` offers lru, lfu, slru, priority and tlru
+# (sglang 0.5.23 `srt/arg_groups/choices.py: RADIX_EVICTION_POLICY_CHOICES`); the two
+# below complete minirt's set. Both keep LRU's order inside a class of nodes and only
+# decide which class goes first.
+
+
+def _check_count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a non-negative int (tokens), got {value!r}")
+    return value
+
+
+class SLRU(EvictionPolicy):
+    """Segmented LRU: nodes hit fewer than ``protected_threshold`` times go first, LRU inside.
+
+    Key ``(segment, last_access, id)``: segment 0 (probationary) while
+    ``hit_count < protected_threshold``, 1 (protected) from then on, so a node reused
+    often enough outlives every probationary one however old it is. The same tuple as
+    sglang 0.5.23 `srt/mem_cache/evict_policy.py: SLRUStrategy.get_priority`, with the
+    same default of 2, set there through ``--radix-eviction-policy-config``
+    (sglang 0.5.23 `srt/arg_groups/fields/memory.py: Memory.radix_eviction_policy_config`).
+
+    Where minirt differs: its ``hit_count`` counts the ``match_prefix`` calls that
+    reached a node (as LFU's does); SGLang counts at insert, once per request for each
+    node that request did not insert itself
+    (sglang 0.5.23 `srt/mem_cache/unified_cache/unified_tree_core.py:
+    UnifiedTreeCore._finish_insert_walk_node`).
+    In a replay (match, then insert) both count one per request that reuses the node.
+    SGLang takes any threshold; minirt refuses one below 1, which would protect every
+    node and make SLRU plain LRU.
+    """
+
+    name = "slru"
+
+    def __init__(self, protected_threshold: int = 2) -> None:
+        if isinstance(protected_threshold, bool) or not isinstance(protected_threshold, int) \
+                or protected_threshold < 1:
+            raise ValueError(
+                f"slru: protected_threshold must be an int >= 1 (hits that move a node to the "
+                f"protected segment; 0 would protect every node: plain LRU), got "
+                f"{protected_threshold!r}")
+        self.protected_threshold = protected_threshold
+
+    def key(self, node: RadixNode) -> tuple[int, ...]:
+        protected = 1 if node.hit_count >= self.protected_threshold else 0
+        return (protected, node.last_access, node.id)
+
+    def __repr__(self) -> str:
+        return f"SLRU(protected_threshold={self.protected_threshold})"
+
+
+class NodeTracking(EvictionPolicy):
+    """A policy that keeps state of its own per node, so the cache announces its tree changes.
+
+    ``RadixCache`` calls ``node_added`` when it hangs a new leaf (already attached to its
+    parent), ``node_split`` after a match splits a node (``upper`` is the new parent,
+    ``lower`` the old node, now shorter), then files ``lower`` again if it is an
+    evictable leaf (its key may have dropped), and ``node_removed`` when a node leaves
+    the tree (eviction or reset). A policy without per-node state needs none of this.
+    """
+
+    def node_added(self, node: RadixNode) -> None:
+        raise NotImplementedError
+
+    def node_split(self, upper: RadixNode, lower: RadixNode) -> None:
+        raise NotImplementedError
+
+    def node_removed(self, node: RadixNode) -> None:
+        raise NotImplementedError
+
+
+class TLRU(NodeTracking):
+    """Tail-optimized LRU (Zhang et al., arXiv 2510.15152): drop the tail no next turn needs.
+
+    A conversation whose history is ``L`` tokens, and whose next prompt is expected to
+    add ``next_prompt_estimate`` more, keeps its next prefill within ``threshold``
+    uncached tokens (the paper's TTFT budget) as long as its first
+    ``L + next_prompt_estimate - threshold`` tokens stay cached. A node that starts at
+    or past that depth is "TEL-safe": evicting it cannot push the conversation's next
+    turn over the budget (so a whole conversation of at most ``threshold -
+    next_prompt_estimate`` tokens is TEL-safe: recomputing all of it fits the budget).
+    Key ``(-1 if TEL-safe else 0, last_access, id)``: every
+    TEL-safe node goes before any other, LRU among each class, the implementation the
+    paper suggests and SGLang's (sglang 0.5.23 `srt/mem_cache/evict_policy.py:
+    TLRUStrategy.get_priority`). ``threshold`` and ``next_prompt_estimate`` are in tokens,
+    as in SGLang (the paper counts blocks).
+
+    ``L`` is the branch's high-water depth: for each node, the deepest end of any node
+    ever added below it (or itself) while it was cached, raised on every insert and kept
+    when the tail below is evicted, so a trimmed conversation stops at its budget
+    instead of being walked down to nothing. SGLang keeps the same two numbers on its
+    nodes, a node's end depth and that high-water mark, and copies the mark to the new
+    parent of a split (sglang 0.5.23 `srt/mem_cache/unified_cache/unified_tree_core.py:
+    _set_tlru_lens_and_raise_history, UnifiedTreeCore._split_node`); minirt keeps them in
+    the policy, filled by the cache's ``NodeTracking`` calls, so one TLRU follows the
+    trees of the caches it serves (node ids are unique across caches).
+
+    Settings as SGLang checks them at startup (sglang 0.5.23
+    `srt/arg_groups/kv_cache_hook.py: handle_cache_compatibility`): both non-negative,
+    and ``threshold > next_prompt_estimate``, else no node is ever TEL-safe and TLRU is
+    LRU; so ``make_policy("tlru")`` without settings is refused, as SGLang refuses
+    ``--radix-eviction-policy tlru`` without ``--radix-eviction-policy-config``. Where
+    minirt differs: ints only (SGLang also hands floats to its Rust core, sglang 0.5.23
+    `srt/mem_cache/rust_tree_core/adapter.py: _tlru_float_config`), and SGLang computes
+    the keys of every evictable leaf when an eviction starts, where minirt's heap keeps
+    them filed between evictions (hence ``NodeTracking``).
+
+    A split is the one event that lowers a node's key: the lower half now starts deeper
+    and may have become TEL-safe, which is why the cache files it again.
+    """
+
+    name = "tlru"
+
+    def __init__(self, threshold: int = 0, next_prompt_estimate: int = 0) -> None:
+        threshold = _check_count(threshold, "tlru: threshold")
+        next_prompt_estimate = _check_count(next_prompt_estimate, "tlru: next_prompt_estimate")
+        if threshold <= next_prompt_estimate:
+            unset = " (the defaults: tlru needs settings)" if threshold == 0 else ""
+            raise ValueError(
+                f"tlru: threshold must be greater than next_prompt_estimate, got {threshold} <= "
+                f"{next_prompt_estimate}{unset}; otherwise no tokens are ever TEL-safe and TLRU "
+                f"is exactly LRU. Give both, in tokens: TLRU(threshold=4096, "
+                f"next_prompt_estimate=512), or make_policy_from_config('tlru', {{...}})")
+        self.threshold = threshold
+        self.next_prompt_estimate = next_prompt_estimate
+        self._slack = next_prompt_estimate - threshold  # budget = max(L + slack, 0)
+        # node id -> [end depth in tokens (root to the node's last token), high-water L]
+        self._lens: dict[int, list[int]] = {}
+
+    def key(self, node: RadixNode) -> tuple[int, ...]:
+        lens = self._lens.get(node.id)
+        if lens is None:
+            raise KeyError(f"tlru: {node!r} was never announced to this policy; a TLRU tracks "
+                           "the nodes of the RadixCache it was given to")
+        end, history = lens
+        safe = end - node.length >= history + self._slack  # budget <= 0: always safe
+        return (-1 if safe else 0, node.last_access, node.id)
+
+    def tel_safe(self, node: RadixNode) -> bool:
+        """Whether ``node`` is TEL-safe now (its key's first field is -1)."""
+        return self.key(node)[0] < 0
+
+    def lens(self, node: RadixNode) -> tuple[int, int]:
+        """``(end depth, high-water depth L)`` of a tracked node, in tokens."""
+        end, history = self._lens[node.id]
+        return end, history
+
+    def node_added(self, node: RadixNode) -> None:
+        parent = node.parent
+        lens = self._lens
+        assert parent is not None, "a new node is attached before it is announced"
+        end = node.length + (lens[parent.id][0] if parent.parent is not None else 0)
+        lens[node.id] = [end, end]
+        while parent.parent is not None:  # raise the mark up the branch; stop where it holds
+            above = lens[parent.id]
+            if above[1] >= end:
+                break
+            above[1] = end
+            parent = parent.parent
+
+    def node_split(self, upper: RadixNode, lower: RadixNode) -> None:
+        end, history = self._lens[lower.id]  # lower keeps its end; upper ends where it starts
+        self._lens[upper.id] = [end - lower.length, history]
+
+    def node_removed(self, node: RadixNode) -> None:
+        self._lens.pop(node.id, None)
+
+    def __repr__(self) -> str:
+        return (f"TLRU(threshold={self.threshold}, "
+                f"next_prompt_estimate={self.next_prompt_estimate})")
+
+
+POLICIES.update({p.name: p for p in (SLRU, TLRU)})
+__all__ += ["SLRU", "TLRU", "NodeTracking", "make_policy_from_config"]
+
+
+def make_policy_from_config(policy: str, config: dict | None = None) -> EvictionPolicy:
+    """A policy from SGLang's two flags: its name and its settings as keyword arguments.
+
+    ``make_policy_from_config("slru", {"protected_threshold": 4})``,
+    ``make_policy_from_config("tlru", {"threshold": 4096, "next_prompt_estimate": 512})``:
+    ``--radix-eviction-policy`` and ``--radix-eviction-policy-config``
+    (sglang 0.5.23 `srt/mem_cache/utils.py: get_eviction_strategy`). ValueError naming the
+    key and the policy for a setting the policy does not take, as SGLang fails at startup.
+    """
+    if not isinstance(policy, str) or policy.lower() not in POLICIES:
+        raise ValueError(f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}")
+    cls = POLICIES[policy.lower()]
+    config = {} if config is None else config
+    if not isinstance(config, dict):
+        raise ValueError(f"{policy}: config must be a dict of settings, got {config!r:.80}")
+    takes = {"slru": {"protected_threshold"}, "tlru": {"threshold", "next_prompt_estimate"}}
+    allowed = takes.get(cls.name, set())
+    for name in config:
+        if name not in allowed:
+            raise ValueError(f"{cls.name}: unknown setting {name!r}; it takes "
+                             f"{sorted(allowed) or 'no settings'}")
+    return cls(**config)
