@@ -29,7 +29,9 @@ from its offloading connector, not from the block pool (vllm 0.32.0
 `distributed/kv_events.py: MEDIUM_CPU`). The precise router indexes device blocks only.
 
 ``use_event_cache(engine)`` puts an event cache into a fresh ``Engine`` in place of the
-one it built.
+one it built; ``publish_engine_events(engine, config)`` also starts a publisher from a
+``--kv-events-config`` (``kv_events.parse_kv_events_config``) and sends each engine
+step's events as one batch, as vLLM's scheduler does once per step.
 """
 
 from __future__ import annotations
@@ -50,13 +52,15 @@ from .kv_events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    ZmqEventPublisher,
     external_block_hash,
     none_hash,
     vllm_sha256,
 )
 from .radix import RadixNode
 
-__all__ = ["EventHashCache", "EventRadixCache", "cached_vllm_sha256", "use_event_cache"]
+__all__ = ["EventHashCache", "EventRadixCache", "cached_vllm_sha256", "publish_engine_events",
+           "use_event_cache"]
 
 cached_vllm_sha256 = functools.lru_cache(maxsize=1 << 16)(vllm_sha256)
 """``vllm_sha256`` with a memo of the last 65,536 blocks (a block is a hashable tuple)."""
@@ -191,3 +195,25 @@ def use_event_cache(engine) -> EventRadixCache | EventHashCache:
         raise RequestError(f"no event version of {type(old).__name__}")
     engine.cache = engine.lifecycle.cache = new
     return new
+
+
+def publish_engine_events(engine, config: dict[str, Any]) -> ZmqEventPublisher | None:
+    """Give a fresh ``engine`` an event cache and a publisher for ``config`` (a parsed
+    ``--kv-events-config``); after every ``engine.step()`` the step's events go out as
+    one batch. None, and nothing changed, when the config's publisher is "null"."""
+    if config["publisher"] == "null":
+        return None
+    use_event_cache(engine)
+    publisher = ZmqEventPublisher(config["endpoint"], config["replay_endpoint"],
+                                  buffer_steps=config["buffer_steps"], hwm=config["hwm"],
+                                  topic=config["topic"])
+    step = engine.step
+
+    def step_and_publish(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        finally:  # a step that raised may still have changed the cache
+            publisher.publish_events(engine.cache.take_events())
+
+    engine.step = step_and_publish
+    return publisher

@@ -80,6 +80,7 @@ __all__ = [
     "external_block_hash",
     "none_hash",
     "packb",
+    "parse_kv_events_config",
     "unpackb",
     "vllm_block_hashes",
     "vllm_sha256",
@@ -447,6 +448,39 @@ def vllm_block_hashes(tokens: Sequence[int], block_size: int, *, salt: str | Non
                               tuple(keys)))
         out.append(parent)
     return out
+
+
+# ---------------------------------------------------------------- the config
+
+KV_EVENTS_CONFIG: dict[str, Any] = {
+    "enable_kv_cache_events": False, "publisher": None, "endpoint": "tcp://*:5557",
+    "replay_endpoint": None, "buffer_steps": 10_000, "hwm": 100_000,
+    "max_queue_size": 100_000, "topic": ""}
+"""vLLM's ``KVEventsConfig`` fields and defaults (``publisher`` None means "zmq" when
+events are enabled, else "null")."""
+
+
+def parse_kv_events_config(text: str) -> dict[str, Any]:
+    """``--kv-events-config``'s JSON, as vLLM takes it, with the defaults filled in.
+    KVEventError for bad JSON, an unknown field, or a publisher other than zmq/null."""
+    import json
+
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise KVEventError(f"--kv-events-config is not JSON: {exc}") from exc
+    if not isinstance(given, dict):
+        raise KVEventError(f"--kv-events-config is a JSON object, got {text!r}")
+    unknown = sorted(set(given) - set(KV_EVENTS_CONFIG))
+    if unknown:
+        raise KVEventError(f"unknown --kv-events-config fields {unknown}; known: "
+                           f"{sorted(KV_EVENTS_CONFIG)}")
+    config = {**KV_EVENTS_CONFIG, **given}
+    if config["publisher"] is None:
+        config["publisher"] = "zmq" if config["enable_kv_cache_events"] else "null"
+    if config["publisher"] not in ("zmq", "null"):
+        raise KVEventError(f"publisher must be 'zmq' or 'null', got {config['publisher']!r}")
+    return config
 
 
 # ---------------------------------------------------------------- the publisher

@@ -373,13 +373,14 @@ class KVEventSubscriber:
             wait = 0
 
     def sync(self, seqs: Sequence[int], timeout_ms: int = 5000) -> bool:
-        """Poll until every replica's feed has applied batch ``seqs[r] - 1`` (``seqs``:
-        each publisher's count of batches sent); False on timeout."""
+        """Poll until each replica's last batch received is ``seqs[r] - 1`` (``seqs``: each
+        publisher's count of batches sent; 0: nothing to wait for); False on timeout.
+        Equality, not >=: a restarted publisher's count starts again from 0."""
         import time
 
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
-            if all(n == 0 or (f.applied is not None and f.applied >= n - 1)
+            if all(n == 0 or (f.received == n - 1 and f.applied is not None)
                    for f, n in zip(self.feeds, seqs, strict=True)):
                 return True
             left = deadline - time.monotonic()

@@ -518,14 +518,30 @@ def main(argv: list[str] | None = None) -> None:
                    help="write a JSON line per engine step here: when it began, its seconds "
                         "in admission and in its forward pass, requests running, "
                         "admitted and finished (benchmarks/step_log.py sums them up)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\""
+                        ": true, \"endpoint\": \"tcp://*:5557\"}' (minirt.kv_events)")
     args = p.parse_args(argv)
     if args.step_log and not Path(args.step_log).resolve().parent.is_dir():
         p.error(f"--step-log {args.step_log}: no such directory")  # before the model loads
+    kv_events = None
+    if args.kv_events_config is not None:
+        from .kv_events import KVEventError, parse_kv_events_config
+
+        try:
+            kv_events = parse_kv_events_config(args.kv_events_config)
+        except KVEventError as exc:
+            p.error(str(exc))
 
     worker, name, path = make_worker(args.model, args.capacity, args.page_size,
                                      args.token_budget, args.policy, args.device,
                                      args.deterministic, args.step_log, args.chunked_prefill)
     name = args.served_model_name or name
+    publisher = None
+    if kv_events is not None:
+        from .kv_event_caches import publish_engine_events
+
+        publisher = publish_engine_events(worker.engine, kv_events)
     app = build_app(worker, name, path, args.server_id, args.max_body_bytes)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -555,6 +571,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         server.should_exit = True  # open requests get uvicorn's 2 s, then are cancelled
         http.join(timeout=10)
+        if publisher is not None:
+            publisher.close()
 
 
 @dataclass

@@ -418,3 +418,54 @@ def test_use_event_cache_swaps_a_fresh_engines_cache(tiny64):
     engine = Engine(tiny64, capacity=256, page_size=4, host_capacity=512)
     with pytest.raises(RequestError, match="host tier"):
         use_event_cache(engine)
+
+
+# ---------------------------------------------------------------- the config and the server
+
+
+def test_kv_events_config_as_vllm_reads_it():
+    config = ke.parse_kv_events_config('{"enable_kv_cache_events": true, "topic": "kv"}')
+    assert config["publisher"] == "zmq" and config["endpoint"] == "tcp://*:5557"
+    assert config["buffer_steps"] == 10_000 and config["replay_endpoint"] is None
+    assert ke.parse_kv_events_config("{}")["publisher"] == "null"
+    for text, match in [("{bad", "not JSON"), ("[1]", "JSON object"),
+                        ('{"enable": true}', "unknown"), ('{"publisher": "kafka"}', "zmq")]:
+        with pytest.raises(KVEventError, match=match):
+            ke.parse_kv_events_config(text)
+
+
+def test_serve_refuses_a_bad_config_before_loading_the_model(capsys):
+    from minirt import serve
+
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--kv-events-config", '{"enable_kv_cache_events": 1, "port": 5}'])
+    assert exc.value.code == 2 and "unknown --kv-events-config fields" in capsys.readouterr().err
+
+
+def test_an_engine_publishes_each_steps_events(tiny64):
+    from minirt.engine import Engine
+    from minirt.kv_event_caches import publish_engine_events
+    from minirt.request import Request
+
+    endpoint, replay = _endpoints()
+    engine = Engine(tiny64, capacity=256, page_size=4)
+    assert publish_engine_events(engine, ke.parse_kv_events_config("{}")) is None
+    pub = publish_engine_events(engine, ke.parse_kv_events_config(
+        json.dumps({"enable_kv_cache_events": True, "endpoint": endpoint,
+                    "replay_endpoint": replay})))
+    try:
+        engine.generate([Request(list(range(1, 14)), max_new_tokens=2)], progress=False)
+        pub.flush()
+        assert pub.seq >= 1
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(replay)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        events = []
+        while (frames := _recv(dealer))[2] != END_SEQ:
+            events += decode_batch(frames[3]).events
+        dealer.close(linger=0)
+        held = Counter()
+        _apply(events, held)
+        assert held == _contents(engine.cache) and held
+    finally:
+        pub.close()
