@@ -81,6 +81,18 @@ def test_a_text_reply_is_cached_as_its_ids_and_the_end_of_sequence_token(tok):
     assert list(r.cached) == list(r.ids) + list(r.reply_ids)
 
 
+def test_a_text_reply_gets_the_ids_its_text_gets_in_the_history(tok):
+    """Not the text's ids on their own: ' 42' after the turn's header, as the next turn
+    renders it, so a text reply alone never shows re-tokenization."""
+    reply = " Forty-two,  said the   computer."
+    first, second = render_all(load_requests(lines(
+        chat(("user", "x"), reply=reply),
+        chat(("user", "x"), ("assistant", reply), ("user", "y")))), tok)
+    n = len(first.cached)
+    assert list(second.ids[:n]) == list(first.cached)
+    assert tok.decode(list(first.reply_ids)) == reply + tok.eos_token
+
+
 # ------------------------------------------------------------------ the bounds
 
 
@@ -107,6 +119,43 @@ def test_bounds_agree_with_brute_force_on_random_id_prompts(tok):
     assert report.prompt_tokens == sum(map(len, prompts))
     assert report.unique_tokens == report.prompt_tokens - report.bound_tokens
     assert set(report.cause_counts) == set(CAUSES)
+
+
+def test_the_bound_under_isolation_keys_agrees_with_brute_force(tok):
+    """bound = longest common prefix with an earlier prompt or reply of the same key (salt,
+    model), read off one tree; shared ignores the keys; capacity replay at page 1 with room
+    for everything hits the bound."""
+    rng = random.Random(11)
+    stems = [[rng.randrange(50, 90) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    objs = []
+    for _ in range(120):
+        obj = {"prompt": rng.choice(stems)[: rng.randrange(1, 12)]
+               + [rng.randrange(50, 60) for _ in range(rng.randrange(0, 6))]}
+        if rng.random() < 0.5:
+            obj["reply"] = [rng.randrange(50, 60) for _ in range(rng.randrange(0, 4))]
+        salt = rng.choice([None, "a", "b"])
+        if salt:
+            obj["cache_salt"] = salt
+        if rng.random() < 0.2:
+            obj["model"] = "m2"
+        objs.append(obj)
+    report = run(tok, *objs, capacity=10**6)
+
+    def lcp(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    def key(o):
+        return o.get("cache_salt"), o.get("model")
+
+    for i, (o, r) in enumerate(zip(objs, report.requests, strict=True)):
+        earlier = [(p["prompt"] + p.get("reply", []), key(p)) for p in objs[:i]]
+        assert r.shared == max((lcp(o["prompt"], c) for c, _ in earlier), default=0)
+        want = max((lcp(o["prompt"], c) for c, k in earlier if k == key(o)), default=0)
+        assert (r.bound, r.hit) == (want, want), i
+        assert (ISOLATION in r.causes) == (r.shared > r.bound)
 
 
 def test_the_partner_is_the_earlier_request_sharing_most_and_its_own_conversation_first(tok):
@@ -324,3 +373,23 @@ def test_table_json_and_plot(tmp_path, capsys):
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
     rates = [rate for _, rate in data["curve"]]
     assert rates == sorted(rates) and rates[-1] <= data["bound_rate"] + 1e-12
+
+
+def test_rendering_in_a_second_process_gives_the_same_report(tok):
+    objs = [chat(("system", f"Time: 2024-05-01 10:00:0{k % 3}."), ("user", f"Question {k % 4}"))
+            for k in range(40)]
+    requests = load_requests(lines(*objs))
+    here = analyze(requests, tok, page_size=4, capacity=300, parallel=False, batch=7)
+    forked = analyze(requests, tok, page_size=4, capacity=300, parallel=True, batch=7)
+    assert forked.to_json() == here.to_json()
+    assert here.cause_counts[VOLATILE] > 0 and here.cause_counts[HIT] > 0
+
+
+def test_an_error_in_the_rendering_process_names_the_line(tok):
+    tok2 = tok.__class__.from_pretrained(tok.name_or_path)
+    tok2.chat_template = "{{ raise_exception('no system role here') if messages[0].role == " \
+                         "'system' else messages[0].content }}"
+    requests = load_requests(lines(chat(("user", "hi")), chat(("system", "x"), ("user", "y"))))
+    with pytest.raises(HitcheckInputError, match=r"line 2, field 'messages': the chat template "
+                                                  r"cannot render this request.*no system"):
+        analyze(requests, tok2, parallel=True)

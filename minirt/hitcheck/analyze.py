@@ -50,7 +50,7 @@ from .causes import (
     volatile_span,
 )
 from .load import HitcheckInputError, IsolationKey, LoggedRequest
-from .render import Rendered, render_all, tokenizer_name
+from .render import Rendered, render_stream, tokenizer_name
 
 __all__ = ["Divergence", "RequestReport", "Report", "analyze", "hit_rate_curve"]
 
@@ -104,7 +104,7 @@ class Report:
     bound_tokens: int
     paged_tokens: int
     hit_tokens: int | None
-    tree_tokens: int  # tokens the keyed tree holds at the end (prompts and replies)
+    tree_tokens: int  # tokens in the tree of every cached sequence (prompts, replies) at the end
     cause_counts: dict[str, int]
     cause_tokens: dict[str, int]
     curve: list[tuple[int, float]] = field(default_factory=list)
@@ -273,6 +273,34 @@ def _in_prompt(me: _Seen, partner: _Seen, before: str, ours: str,
     return CONTENT, "the prompts differ"
 
 
+def _keyed_bound(node: RadixNode, depth: int, shared: int, salt: str | None,
+                 keys: dict[RadixNode, set]) -> int:
+    """The longest match among earlier sequences with the same isolation key, read off the
+    open tree: the deepest node on the match's path that a sequence with this key passes
+    through whole (an insert splits a node where a sequence leaves or ends inside it, so a
+    node's edge is passed whole or not at all)."""
+    pos = shared
+    while node.parent is not None:
+        if salt in keys.get(node, ()):
+            return pos
+        pos -= depth
+        node = node.parent
+        depth = node.length
+    return 0
+
+
+def _add_key(node: RadixNode, salt: str | None, keys: dict[RadixNode, set]) -> None:
+    """Mark ``node`` as passed by a sequence with ``salt``; a node new from a split starts
+    with the keys of its children (they passed through its tokens)."""
+    found = keys.get(node)
+    if found is None:
+        found = set()
+        for child in node.children.values():
+            found |= keys.get(child, set())
+        keys[node] = found
+    found.add(salt)
+
+
 class _Replay:
     """A capacity-limited cache replaying the log as a server would."""
 
@@ -312,10 +340,13 @@ def _check(page_size: int, policy: str) -> None:
 
 def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int = 1,
             capacity: int | None = None, policy: str = "lru",
-            rendered: Sequence[Rendered] | None = None, batch: int = 4096) -> Report:
+            rendered: Sequence[Rendered] | None = None, batch: int = 2048,
+            parallel: bool | None = None) -> Report:
     """Analyse a log (``load_requests``) with ``tokenizer`` (None: the book's model's).
 
-    ``rendered``, if given, is ``render_all(requests, tokenizer)`` done already.
+    ``rendered``, if given, is ``render_all(requests, tokenizer)`` done already; else the
+    log is rendered batch by batch as the analysis goes (``render_stream``: in a second
+    process for long logs unless ``parallel`` is False).
     """
     from .render import load_tokenizer
 
@@ -323,23 +354,23 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
     if tokenizer is None:
         tokenizer = load_tokenizer()
     decoder = _Decoder(tokenizer)
-    keyed_needed = any(r.key.salt() is not None for r in requests)
+    keyed = len({r.key.salt() for r in requests}) > 1
     open_tree = RadixCache()
-    keyed = RadixCache() if keyed_needed else None
+    keys: dict[RadixNode, set] = {}  # node -> the isolation keys of the sequences through it
     replay = _Replay(capacity, page_size, policy) if capacity is not None else None
     last: dict[RadixNode, int] = {}  # node -> latest request whose cached sequence runs through
     latest_in: dict[str, int] = {}  # conversation -> its latest request
     seen: list[_Seen] = []
     reports: list[RequestReport] = []
-    for start in range(0, len(requests), batch):
+    batches = render_stream(requests, tokenizer, batch, parallel) if rendered is None \
+        else (rendered[k:k + batch] for k in range(0, len(rendered), batch))
+    for start, done in zip(range(0, len(requests), batch), batches, strict=True):
         part = requests[start:start + batch]
-        done = rendered[start:start + batch] if rendered is not None else render_all(part,
-                                                                                     tokenizer)
         for request, r in zip(part, done, strict=True):
             i = len(seen)
             held = TokenIds(r.cached)  # checked once; one buffer for keys and values
             prompt = held[:len(r.ids)]
-            node, _, shared = open_tree.peek_position(prompt)
+            node, depth, shared = open_tree.peek_position(prompt)
             partner = None
             if shared:
                 partner = last[node]
@@ -347,16 +378,17 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
                 if own is not None and own != partner and _passes_through(seen[own].end, node):
                     partner = own
             salt = request.key.salt()
-            bound = shared if keyed is None else keyed.peek_prefix_len(prompt, salt=salt)
+            bound = _keyed_bound(node, depth, shared, salt, keys) if keyed and shared \
+                else shared
             paged = bound // page_size * page_size
             hit = replay.step(prompt, held, salt) if replay is not None else None
             end = open_tree.insert_prefix(held, held).handle.node
             walk = end
             while walk.parent is not None:
                 last[walk] = i
+                if keyed:
+                    _add_key(walk, salt, keys)
                 walk = walk.parent
-            if keyed is not None:
-                keyed.insert_prefix(held, held, salt=salt)
             me = _seen(request, r, end)
             other = seen[partner] if partner is not None else None
             theirs = _path_tokens(other.end) if other is not None else None
@@ -390,11 +422,10 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
             tokens[c] += n
     prompt_tokens = sum(r.prompt_tokens for r in reports)
     bound_tokens = sum(r.bound for r in reports)
-    tree = keyed if keyed is not None else open_tree
     return Report(reports, tokenizer_name(tokenizer), page_size, capacity, policy,
                   prompt_tokens, prompt_tokens - bound_tokens, bound_tokens,
                   sum(r.paged for r in reports), replay.hits if replay else None,
-                  tree.total_size, counts, tokens)
+                  open_tree.total_size, counts, tokens)
 
 
 def hit_rate_curve(requests: Sequence[LoggedRequest], rendered: Sequence[Rendered],

@@ -48,7 +48,7 @@ class HitcheckInputError(TraceError):
         if line is not None:
             where = f"line {line}" + (f", field {field!r}" if field else "") + ": "
         super().__init__(where + message)
-        self.line, self.field = line, field
+        self.message, self.line, self.field = message, line, field
 
 
 @dataclass(frozen=True)

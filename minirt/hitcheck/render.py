@@ -4,8 +4,11 @@ A chat request is rendered through the tokenizer's chat template with the genera
 prompt (the assistant header the model continues from) and tokenized without adding
 special tokens, as ``transformers``' ``apply_chat_template`` does; a completions request
 is tokenized as it stands (or taken as ids). After the prompt, hitcheck assumes the
-server caches what it generated: the reply's token ids if the log has them, else the
-tokenizer's ids of the reply's text followed by the end-of-sequence token.
+server caches what it generated: the reply's token ids if the log has them; for a reply
+logged as text, the ids its text gets inside the template's rendering of an assistant
+turn (the tokenizer's own tokenization, which a model usually generates), followed by the
+end-of-sequence token. So only a log with the generated token ids can show
+re-tokenization (ids the model generated that the same text, sent back, does not get).
 
 Speed: a fast tokenizer splits its input at its added tokens (``<|im_start|>`` and the
 like) before anything else, so the ids of a rendered prompt are the ids of its pieces
@@ -17,14 +20,18 @@ normalized do not split cleanly; for them it tokenizes whole prompts.
 
 from __future__ import annotations
 
+import itertools
 import re
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .load import HitcheckInputError, LoggedRequest
 
-__all__ = ["Rendered", "load_tokenizer", "render", "render_all", "tokenizer_name"]
+__all__ = [
+    "PARALLEL_FROM", "Rendered", "load_tokenizer", "render", "render_all", "render_stream",
+    "tokenizer_name",
+]
 
 
 @dataclass
@@ -90,21 +97,51 @@ class _Template:
             self.compiled[with_tools] = self.compile(text)
         return self.compiled[with_tools]
 
+    def render(self, messages: list[dict], tools: list | None = None,
+               generation_prompt: bool = True) -> str:
+        if self.compile is None:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False,
+                add_generation_prompt=generation_prompt)
+        messages = self.alias([{k: v for k, v in m.items() if v is not None}
+                               for m in messages])
+        return self._template(bool(tools)).render(
+            messages=messages, tools=tools or None, documents=None,
+            add_generation_prompt=generation_prompt, **self.special)
+
     def text(self, request: LoggedRequest) -> str:
         try:
-            if self.compile is None:
-                return self.tokenizer.apply_chat_template(
-                    request.messages, tools=request.tools or None, tokenize=False,
-                    add_generation_prompt=True)
-            messages = self.alias([{k: v for k, v in m.items() if v is not None}
-                                   for m in request.messages])
-            return self._template(bool(request.tools)).render(
-                messages=messages, tools=request.tools or None, documents=None,
-                add_generation_prompt=True, **self.special)
+            return self.render(request.messages, request.tools)
         except Exception as exc:
             raise HitcheckInputError(f"the chat template cannot render this request: "
                                      f"{type(exc).__name__}: {str(exc)[:300]}", request.line,
                                      "messages") from None
+
+    def reply_frame(self, split: re.Pattern | None) -> tuple[str, str] | None:
+        """The text around an assistant message's content inside its piece (between added
+        tokens), as this template renders history: ``("assistant\\n", "")`` for ChatML.
+        None if the template does not render the content as it is."""
+        probe = "hitcheck probe 7f3a"
+        try:
+            text = self.render([{"role": "user", "content": "u"},
+                                {"role": "assistant", "content": probe}],
+                               generation_prompt=False)
+        except Exception:
+            return None
+        at = text.find(probe)
+        if at < 0 or text.count(probe) != 1:
+            return None
+        start, stop = 0, len(text)
+        for m in split.finditer(text) if split is not None else ():
+            if m.end() <= at:
+                start = m.end()
+            elif m.start() >= at + len(probe):
+                stop = m.start()
+                break
+        return text[start:at], text[at + len(probe):stop]
+
+
+MEMO_PIECES = 200_000  # pieces of text whose ids render_all remembers
 
 
 class _Encoder:
@@ -135,6 +172,9 @@ class _Encoder:
         missing = {p for pieces in pieces_of for i, p in enumerate(pieces)
                    if i % 2 == 0 and p and p not in self.memo}
         if missing:
+            if len(self.memo) + len(missing) > MEMO_PIECES:  # forget the older half
+                for piece in list(itertools.islice(self.memo, len(self.memo) // 2)):
+                    del self.memo[piece]
             order = list(missing)
             for piece, ids in zip(order, self._encode_plain(order), strict=True):
                 self.memo[piece] = array("q", ids)
@@ -150,7 +190,7 @@ class _Encoder:
         return out
 
 
-def _reply_ids(request: LoggedRequest, tokenizer, encoder: _Encoder, text_ids) -> array:
+def _reply_ids(request: LoggedRequest, tokenizer, text_ids) -> array:
     reply = request.reply
     if reply is None:
         return array("q")
@@ -173,12 +213,41 @@ def _reply_text(request: LoggedRequest) -> str | None:
     return text
 
 
-def render_all(requests: Sequence[LoggedRequest], tokenizer,
-               batch: int = 4096) -> list[Rendered]:
-    """``render`` for every request, tokenizing each distinct piece of text once."""
+class _Replies:
+    """Reply texts to ids as the model would have generated them: the ids the text gets
+    inside its piece of the history (``frame``), which is also the piece the next turn
+    renders, so the memo tokenizes it once. Text holding an added token, or a template
+    that does not render content as it is, falls back to the text's ids on their own."""
+
+    def __init__(self, encoder: _Encoder, template: _Template) -> None:
+        self.encoder = encoder
+        self.frame = template.reply_frame(encoder.split) if encoder.split is not None else None
+        if self.frame is not None:
+            before, after = self.frame
+            self.before = encoder.encode_many([before])[0] if before else array("q")
+            self.after = encoder.encode_many([after])[0] if after else array("q")
+
+    def encode_many(self, texts: list[str]) -> list[array]:
+        if self.frame is None:
+            return self.encoder.encode_many(texts)
+        before, after = self.frame
+        framed = [t is not None and not self.encoder.split.search(t) for t in texts]
+        pieces = self.encoder.encode_many([before + t + after if f else t
+                                           for t, f in zip(texts, framed, strict=True)])
+        out, nb, na = [], len(self.before), len(self.after)
+        for text, ids, f in zip(texts, pieces, framed, strict=True):
+            if f and ids[:nb] == self.before and (not na or ids[len(ids) - na:] == self.after):
+                out.append(ids[nb:len(ids) - na])
+            else:  # the frame's tokens merged with the text's: the text on its own
+                out.append(self.encoder.encode_many([text])[0] if f else ids)
+        return out
+
+
+def _render_batches(requests: Sequence[LoggedRequest], tokenizer,
+                    batch: int) -> Iterator[list[Rendered]]:
     encoder = _Encoder(tokenizer)
     template = _Template(tokenizer)
-    out: list[Rendered] = []
+    replies_encoder = _Replies(encoder, template)
     for start in range(0, len(requests), batch):
         part = requests[start:start + batch]
         texts, replies = [], []
@@ -190,7 +259,8 @@ def render_all(requests: Sequence[LoggedRequest], tokenizer,
             replies.append(_reply_text(r))
         encoded = encoder.encode_many(texts)
         wanted = [t for t in replies if t is not None]
-        reply_encoded = iter(encoder.encode_many(wanted)) if wanted else iter(())
+        reply_encoded = iter(replies_encoder.encode_many(wanted)) if wanted else iter(())
+        out = []
         for r, text, ids, reply_text in zip(part, texts, encoded, replies, strict=True):
             if r.endpoint == "completions" and not isinstance(r.prompt, str):
                 ids = array("q", r.prompt)  # ids as sent
@@ -198,8 +268,69 @@ def render_all(requests: Sequence[LoggedRequest], tokenizer,
                 raise HitcheckInputError("renders to an empty prompt", r.line,
                                          "messages" if r.endpoint == "chat" else "prompt")
             text_ids = next(reply_encoded) if reply_text is not None else ()
-            out.append(Rendered(ids, text, _reply_ids(r, tokenizer, encoder, text_ids)))
-    return out
+            out.append(Rendered(ids, text, _reply_ids(r, tokenizer, text_ids)))
+        yield out
+
+
+def _child(requests, tokenizer, batch: int, conn) -> None:
+    """The rendering process: every batch down the pipe, then None (or the error)."""
+    try:
+        for out in _render_batches(requests, tokenizer, batch):
+            conn.send(out)
+        conn.send(None)
+    except HitcheckInputError as exc:
+        conn.send(("error", exc.message, exc.line, exc.field))
+    except Exception as exc:  # pragma: no cover - a bug: say what it was
+        conn.send(("error", f"{type(exc).__name__}: {exc}", None, None))
+    finally:
+        conn.close()
+
+
+PARALLEL_FROM = 5000  # logs this long render in a second process (where fork exists)
+
+
+def render_stream(requests: Sequence[LoggedRequest], tokenizer, batch: int = 2048,
+                  parallel: bool | None = None) -> Iterator[list[Rendered]]:
+    """``render_all`` in batches, in order. With ``parallel`` (default: for logs of at least
+    ``PARALLEL_FROM`` requests, where the platform can fork) a forked process renders and
+    tokenizes while the caller works on the batches already done: the template and the
+    assembly of ids are Python, one core each, so two cores overlap them with the trees."""
+    import multiprocessing as mp
+
+    if parallel is None:
+        parallel = len(requests) >= PARALLEL_FROM
+    if not parallel or "fork" not in mp.get_all_start_methods():
+        yield from _render_batches(requests, tokenizer, batch)
+        return
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(requests, tokenizer, batch, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        while True:
+            try:
+                got = receive.recv()
+            except EOFError:
+                raise HitcheckInputError("the rendering process ended without an answer "
+                                         f"(exit code {child.exitcode})") from None
+            if got is None:
+                break
+            if isinstance(got, tuple):
+                raise HitcheckInputError(got[1], got[2], got[3])
+            yield got
+    finally:
+        receive.close()
+        child.join(timeout=5)
+        if child.is_alive():
+            child.terminate()
+            child.join()
+
+
+def render_all(requests: Sequence[LoggedRequest], tokenizer, batch: int = 2048,
+               parallel: bool | None = False) -> list[Rendered]:
+    """``render`` for every request, tokenizing each distinct piece of text once."""
+    return [r for part in render_stream(requests, tokenizer, batch, parallel) for r in part]
 
 
 def render(request: LoggedRequest, tokenizer) -> Rendered:
