@@ -415,6 +415,19 @@ MAP: list[MapRow] = [
          "mamba cache mode (vllm 0.32.0 `config/cache.py: CacheConfig.mamba_cache_mode`)",
          "real state-space layers; vLLM's sub-block hits for Mamba hybrids"),
     ),
+    *_rows(
+        13,
+        ("speculative.Speculator",
+         "sglang 0.5.23 `srt/speculative/ngram_worker.py: NGRAMWorker` (n-gram drafts from a "
+         "trie, verified as a tree)",
+         "vllm 0.32.0 `v1/spec_decode/ngram_proposer.py: NgramProposer`; vllm 0.32.0 "
+         "`v1/sample/rejection_sampler.py: RejectionSampler`",
+         "--speculative-algorithm NGRAM, --speculative-num-draft-tokens (SGLang); "
+         "--speculative-config with method ngram, num_speculative_tokens, prompt_lookup_min "
+         "and prompt_lookup_max (vLLM)",
+         "draft models (EAGLE, MTP, a smaller model), tree verification (SGLang), GPU "
+         "kernels; minirt verifies one chain of prompt-lookup drafts"),
+    ),
 ]
 
 # What the real engines do that minirt does not: (feature, SGLang flag, vLLM flag).
