@@ -1,6 +1,7 @@
 """minirt's RadixCache against SGLang's, side by side in one process, on the same traces.
 
     .venv/bin/python benchmarks/radix_vs_sglang.py [--repeats 5] [--quick]
+    .venv/bin/python benchmarks/radix_vs_sglang.py --only-production   # Mooncake's traces only
 
 The peer is SGLang's own sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache` with
 the three files it needs, sglang 0.5.23 `srt/mem_cache/base_prefix_cache.py`,
@@ -24,6 +25,16 @@ insert key is a fresh slice of the request's ids, as its server path
 leave the cost of that memory out of its timing). Then the tree is evicted to empty, a request's
 worth of tokens per call (as a server making room), timed as "eviction".
 
+The workloads: the book's chat, few-shot and RAG workloads, shared system prompts,
+random unrelated requests (also handed to minirt as int64 tensors, the form an engine
+holds its ids in, given as they are to both its match and its insert, which each check
+them), and Mooncake's production
+traces (``minirt.traces``: the conversation and synthetic traces), whole at
+``--block-size`` tokens per hash id (16 by default) and their first
+``--full-block-requests`` requests at 512, the traces' own block, where a request is
+13,700 tokens on average: there the cost per token (copies, comparisons) dominates, where
+at 16 the cost per node and per call does.
+
 Every request's matched length, its slot indices and the already-cached length of
 its insert must agree between the two caches; the script exits with status 1 if
 they ever differ. Timing: one thread, CPU time of this process
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import os
 import random
 import statistics
@@ -223,10 +235,13 @@ class Trace:
     fresh slots as an int64 tensor."""
 
     name: str
-    requests: list[list[int]]
+    requests: Sequence[Sequence[int]]  # lists, or int64 arrays (a production trace's)
+    tensor_ids: bool = False  # minirt gets each request's ids as an int64 tensor
 
     def __post_init__(self) -> None:
         self.arrays = [array("q", r) for r in self.requests]
+        self.tensors = ([torch.tensor(a, dtype=torch.int64) for a in self.arrays]
+                        if self.tensor_ids else None)
         self.slots, start = [], 0
         for r in self.requests:  # fresh slots for the whole sequence, as after a prefill
             self.slots.append(torch.arange(start, start + len(r), dtype=torch.int64))
@@ -257,15 +272,19 @@ class Minirt(Contender):
         return RadixCache(page_size=page_size)
 
     def serve(self, cache: RadixCache, trace: Trace, record: list | None = None) -> None:
-        for request, slots in zip(trace.arrays, trace.slots, strict=True):
-            ids = TokenIds(request)  # checked once per request, for both match and insert
+        tensors = trace.tensor_ids
+        for request, slots in zip(trace.tensors if tensors else trace.arrays, trace.slots,
+                                  strict=True):
+            # checked once per request, for both match and insert; a tensor, as an engine
+            # holds ids, is handed to both as it is (each checks it)
+            ids = request if tensors else TokenIds(request)
             m = cache.match_prefix(ids)
             prefix = m.indices
             cache.lock(m.handle)
             r = cache.insert_prefix(ids, slots)
             cache.unlock(m.handle)
             if record is not None:
-                record.append((m.cached_len, prefix.tolist(), r.cached_len))
+                record.append((m.cached_len, _slots_digest(prefix), r.cached_len))
 
     def drain(self, cache: RadixCache, chunk: int) -> int:
         freed = 0
@@ -297,7 +316,7 @@ class SGLang(Contender):
             r = cache.insert(insert_params(key=key_of(ids[: len(ids)]), value=slots))
             cache.dec_lock_ref(node)
             if record is not None:
-                record.append((m.device_prefix_len, prefix.tolist(), r.prefix_len))
+                record.append((m.device_prefix_len, _slots_digest(prefix), r.prefix_len))
 
     def drain(self, cache, chunk: int) -> int:
         params = self.sgl.EvictParams
@@ -308,6 +327,14 @@ class SGLang(Contender):
 
 
 # ------------------------------------------------------------------ agreement and timing
+
+
+def _slots_digest(slots: torch.Tensor) -> str:
+    """The prefix's slots, as what a comparison needs: the first few and a digest of all
+    (a production trace's prefixes run to millions of slots)."""
+    head = slots[:6].tolist()
+    return f"{head}{'...' if slots.numel() > 6 else ''} n={slots.numel()} " + \
+        hashlib.blake2b(slots.numpy().tobytes(), digest_size=12).hexdigest()
 
 
 class Disagreement(AssertionError):
@@ -407,11 +434,26 @@ def system_prompt_trace(systems: int = 20, conversations: int = 100, turns: int 
 
 
 def random_trace(num: int = 2000, lo: int = 200, hi: int = 2000, vocab: int = 49152,
-                 seed: int = 1) -> Trace:
-    """``num`` unrelated requests of ``lo``..``hi`` random tokens: almost nothing to share."""
+                 seed: int = 1, tensor_ids: bool = False) -> Trace:
+    """``num`` unrelated requests of ``lo``..``hi`` random tokens: almost nothing to share.
+    ``tensor_ids``: minirt is handed each request's ids as an int64 tensor."""
     rng = random.Random(seed)
-    return Trace("random", [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
-                            for _ in range(num)])
+    return Trace("random, tensor ids" if tensor_ids else "random",
+                 [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
+                  for _ in range(num)], tensor_ids)
+
+
+def production_traces(block_size: int, requests: int | None = None) -> list[Trace]:
+    """Mooncake's conversation and synthetic traces (``minirt.traces``), each hash id a block
+    of ``block_size`` synthesized token ids; the first ``requests`` of each if given."""
+    from minirt.traces import TRACES, load_trace
+
+    out = []
+    for name in sorted(TRACES):
+        reqs = load_trace(name).requests[:requests]
+        label = f"{name}/{block_size}" + (f" x{len(reqs)}" if requests is not None else "")
+        out.append(Trace(label, [array("q", r.token_ids(block_size)) for r in reqs]))
+    return out
 
 
 # ------------------------------------------------------------------ main
@@ -421,6 +463,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per contender (>= 5)")
     parser.add_argument("--quick", action="store_true", help="smaller traces (a smoke test)")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per hash id of the production traces, whole (default 16)")
+    parser.add_argument("--full-block-requests", type=int, default=1000,
+                        help="first requests of each production trace at 512 tokens per "
+                             "hash id, the traces' own (default 1000; 0: none)")
+    parser.add_argument("--only-production", action="store_true",
+                        help="Mooncake's traces and the random ones only")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -432,20 +481,27 @@ def main() -> int:
     contenders = [Minirt(), SGLang(sgl)]
     if args.quick:
         traces = [*book_traces(1), system_prompt_trace(conversations=20, turns=5),
-                  random_trace(200)]
+                  random_trace(200), random_trace(200, tensor_ids=True),
+                  *production_traces(args.block_size, 300)]
     else:
-        traces = [*book_traces(4), system_prompt_trace(), random_trace()]
+        traces = [] if args.only_production else [*book_traces(4), system_prompt_trace()]
+        traces += [random_trace(), random_trace(tensor_ids=True),
+                   *production_traces(args.block_size)]
+        if args.full_block_requests:
+            traces += production_traces(512, args.full_block_requests)
     print(f"minirt RadixCache vs {sgl.source} RadixCache; CPU time, 1 thread, median of "
           f"{args.repeats} interleaved repeats; ratio = minirt / SGLang (< 1: minirt faster)")
     print("(a shared, loaded machine: read the ratios, taken side by side, over the absolutes)\n")
-    head = (f"{'workload':<18} {'page':>4} {'reqs':>5} {'tokens':>9} | {'us/request':>17} "
+    head = (f"{'workload':<24} {'page':>4} {'reqs':>5} {'tokens':>9} | {'us/request':>17} "
             f"{'ratio':>5} | {'Mtokens/s':>11} | {'evict ns/token':>14} {'ratio':>5}")
     print(head)
-    print(f"{'':<40} | {'minirt':>8} {'SGLang':>8} {'':>5} | {'minirt':>5} {'SGLang':>5} | "
+    print(f"{'':<46} | {'minirt':>8} {'SGLang':>8} {'':>5} | {'minirt':>5} {'SGLang':>5} | "
           f"{'minirt':>6} {'SGLang':>7} {'':>5}")
     print("-" * len(head))
     worst_serve = worst_evict = 0.0
     checked = 0
+    prod: list[float] = []  # request-path ratios on the production traces
+    rand: list[float] = []
     for trace in traces:
         for page in (1, 16):
             try:
@@ -458,7 +514,11 @@ def main() -> int:
             n = len(trace.requests)
             r_serve, r_evict = ms / ss, me / se
             worst_serve, worst_evict = max(worst_serve, r_serve), max(worst_evict, r_evict)
-            print(f"{trace.name:<18} {page:>4} {n:>5} {trace.tokens:>9} | {ms / n * 1e6:>8.1f} "
+            if "/" in trace.name:
+                prod.append(r_serve)
+            elif trace.name.startswith("random"):
+                rand.append(r_serve)
+            print(f"{trace.name:<24} {page:>4} {n:>5} {trace.tokens:>9} | {ms / n * 1e6:>8.1f} "
                   f"{ss / n * 1e6:>8.1f} {r_serve:>5.2f} | {trace.tokens / ms / 1e6:>5.1f} "
                   f"{trace.tokens / ss / 1e6:>5.1f} | {me / freed * 1e9:>6.0f} "
                   f"{se / freed * 1e9:>7.0f} {r_evict:>5.2f}")
@@ -466,6 +526,9 @@ def main() -> int:
           f"{checked} requests (each trace at page sizes 1 and 16)")
     print(f"worst ratios: request path {worst_serve:.2f} (goal <= 0.80), eviction "
           f"{worst_evict:.2f} (goal <= 1.00)")
+    for label, ratios in (("production traces", prod), ("random", rand)):
+        if ratios:
+            print(f"{label}: request path {min(ratios):.2f}-{max(ratios):.2f}")
     return 0
 
 

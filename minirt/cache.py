@@ -241,7 +241,7 @@ class RadixCache:
         nodes as used now (last access, hit count, priority) and updates the statistics.
         Does not lock: call ``lock(result.handle)`` to keep the prefix from eviction.
         """
-        ids = as_token_view(ids)
+        ids = _checked_view(ids, "ids")[0]
         if type(priority) is not int or salt is not None:  # the defaults need no check
             priority, salt = _check_priority(priority), check_salt(salt)
         node, cached_len, runs = self._descend(ids, salt)
@@ -262,8 +262,8 @@ class RadixCache:
         (``cached_len``) and gives the tree's slots for the whole prefix. The tail past
         the last whole page is not cached: its slots stay the caller's to free.
         """
-        ids = as_token_view(ids)
-        slots = as_token_view(indices, "indices")
+        ids, own_ids = _checked_view(ids, "ids")
+        slots, own_slots = _checked_view(indices, "indices")
         if len(ids) != len(slots):
             raise InvalidIdsError(
                 f"ids and indices must have the same length, got {len(ids)} and {len(slots)}"
@@ -276,9 +276,10 @@ class RadixCache:
         if cached_len:
             self._touch(node, priority, hit=False)
         if cached_len < n:
-            key, value = ids[cached_len:n], slots[cached_len:n]  # views of the checked copies
-            if cached_len:  # buffers of its own, so the leaf does not keep the prefix alive
-                key, value = _copy(key), _copy(value)
+            key, value = ids[cached_len:n], slots[cached_len:n]  # views of the checked ids
+            # buffers of its own: the leaf keeps no prefix alive, and never the caller's memory
+            key = _copy(key) if cached_len or not own_ids else key
+            value = _copy(value) if cached_len or not own_slots else value
             node = self._add_leaf(node, key, value, priority, salt)
             runs.append(node.value)
         return InsertResult(cached_len, CacheHandle(node, n), tuple(runs))
@@ -633,6 +634,26 @@ class RadixCache:
         """Tell a ``NodeTracking`` policy that every node of the tree is gone (reset)."""
         for node in self.nodes():
             self._tracking.node_removed(node)
+
+
+_IN_PLACE = 4096  # an int64 tensor this long is checked where it lies, not copied first
+
+
+def _checked_view(x: IdsLike | TokenIds, what: str) -> tuple[Tokens, bool]:
+    """``x`` checked as ``as_token_view`` checks it, and whether the view is the cache's own.
+
+    A long 1-D int64 CPU tensor (an engine's ids or slots) is checked where it lies, in
+    one numpy pass, and viewed without a copy (``False``: the caller's memory, to copy
+    before keeping any of it); a request then costs one copy of what the tree keeps
+    rather than a copy of everything first. Anything else goes through ``as_token_view``
+    (a copy, or a ``TokenIds``' own view: ``True``), which also raises the errors.
+    """
+    if type(x) is torch.Tensor and x.dtype is torch.int64 and x.dim() == 1 and x.is_cpu \
+            and x.numel() >= _IN_PLACE and x.is_contiguous():
+        arr = x.numpy()
+        if arr.min() >= 0:
+            return memoryview(arr).cast("B").cast("q"), False
+    return as_token_view(x, what), True
 
 
 def _copy(run: Tokens) -> Tokens:
