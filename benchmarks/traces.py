@@ -7,7 +7,8 @@
 1. For each shipped trace (``minirt.traces``: Mooncake's conversation and synthetic
    traces) at four capacities (1/16, 1/8, 1/4 and 1/2 of the trace's unique blocks):
    the hit rate of the radix cache under every policy ``minirt.eviction`` has (LRU, LFU,
-   FIFO, priority; replayed by ``minirt.simulate.simulate``), of the hash cache (vLLM's
+   FIFO, priority, SLRU, tail-optimized LRU; replayed by ``minirt.simulate.replay``, which
+   is ``simulate`` per request), of the hash cache (vLLM's
    free queue, ``minirt.hashcache.serve_trace``), and Belady's bound
    (``minirt.simulate.belady_hit_rate``), with the trace's ceiling (its unique-token bound,
    what an unbounded cache reaches). Each cell is ``hit % (s)``: the hit rate, and the
@@ -19,14 +20,18 @@
    trace, the cost per block lookup of the radix LRU replay and of Belady at one token per
    block against 512 (the traces' block), and what the whole trace would take at 512.
 
-The policies are minirt's (``minirt.eviction.POLICIES``). SGLang's ``--radix-eviction-policy``
-offers lru, lfu, slru, priority and tlru
-(sglang 0.5.23 `srt/arg_groups/choices.py: RADIX_EVICTION_POLICY_CHOICES`); minirt has
-neither SLRU nor tail-optimized LRU
-(sglang 0.5.23 `srt/mem_cache/evict_policy.py: SLRUStrategy, TLRUStrategy`), so they are
-not measured here. FIFO is in SGLang's table of strategies
-(sglang 0.5.23 `srt/mem_cache/utils.py: _EVICTION_POLICY_FACTORIES`) but not a choice of
-the flag. The hash cache has one order, vLLM's free queue, and no policy to choose.
+The policies are minirt's (``minirt.eviction.POLICIES``), SGLang's ``--radix-eviction-policy``
+choices, lru, lfu, slru, priority and tlru
+(sglang 0.5.23 `srt/arg_groups/choices.py: RADIX_EVICTION_POLICY_CHOICES`), and FIFO, which is
+in SGLang's table of strategies but not a choice of the flag
+(sglang 0.5.23 `srt/mem_cache/utils.py: _EVICTION_POLICY_FACTORIES`). SLRU runs with SGLang's
+default ``protected_threshold`` of 2; tail-optimized LRU with ``threshold`` 8 and
+``next_prompt_estimate`` 1 blocks, the example of SGLang's help text (4096 and 512 tokens,
+sglang 0.5.23 `srt/arg_groups/fields/memory.py: Memory.radix_eviction_policy_config`) in
+blocks of 512: it has no default, SGLang refuses it without settings. Tail-optimized LRU
+trades hit rate for tail latency, so part 1 also prints each policy's P90 of uncached blocks
+per request (the prefill a request waits for, what its time to first token grows with). The
+hash cache has one order, vLLM's free queue, and no policy to choose.
 
 Part 1 runs at ``block_size=1``: each hash id is one token, so a capacity is in blocks
 of 512 tokens and a hit rate is a share of blocks. The radix cache at page size 1 then
@@ -52,13 +57,23 @@ from collections.abc import Callable
 
 import torch
 
-from minirt.eviction import POLICIES
+from minirt.eviction import POLICIES, SLRU, TLRU, EvictionPolicy, make_policy
 from minirt.hashcache import HashCache, serve_trace
-from minirt.simulate import belady_hit_rate, simulate
+from minirt.simulate import belady_hit_rate, replay, simulate
 from minirt.traces import TRACE_BLOCK, TRACES, Trace, load_trace
 
 FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
+TLRU_THRESHOLD, TLRU_NEXT_PROMPT = 8, 1  # blocks: SGLang's example, 4096 and 512 tokens
+SETTINGS: dict[str, Callable[[], EvictionPolicy]] = {
+    "slru": lambda: SLRU(protected_threshold=2),
+    "tlru": lambda: TLRU(threshold=TLRU_THRESHOLD, next_prompt_estimate=TLRU_NEXT_PROMPT),
+}
 COLUMNS = (*POLICIES, "hash", "belady")
+
+
+def policy(name: str) -> EvictionPolicy:
+    """A fresh policy of this name, with the settings the docstring gives."""
+    return SETTINGS[name]() if name in SETTINGS else make_policy(name)
 
 
 def _timed(fn: Callable[[], float]) -> tuple[float, float]:
@@ -75,17 +90,33 @@ def capacities(trace: Trace, prompts: list[list[int]]) -> list[int]:
     return [max(longest, round(unique * f)) for f in FRACTIONS]
 
 
-def policy_table(trace: Trace) -> tuple[list[str], list[str]]:
-    """Part 1 for one trace: table rows, and the assertions that failed (empty if none)."""
+def tail(prompts: list[list[int]], cached: list[int]) -> tuple[int, float]:
+    """P90 of uncached blocks per request, and the share of requests with more than the
+    tail-optimized LRU threshold uncached (its budget: a request over it misses its TTFT)."""
+    uncached = sorted(len(p) - c for p, c in zip(prompts, cached, strict=True))
+    p90 = uncached[min(len(uncached) - 1, (9 * len(uncached)) // 10)]
+    over = sum(u > TLRU_THRESHOLD for u in uncached) / len(uncached)
+    return p90, over
+
+
+def policy_table(trace: Trace) -> tuple[list[str], list[str], list[str]]:
+    """Part 1 for one trace: hit-rate rows, tail rows, and the assertions that failed."""
     prompts = trace.token_ids(1)
     lookups = trace.block_lookups
     unique, ceiling = trace.unique_tokens(1), trace.ceiling(1)
-    rows, failures = [], []
+    total = sum(map(len, prompts))
+    rows, tails, failures = [], [], []
     belady_prev = -1.0
     for cap in capacities(trace, prompts):
         cells: dict[str, tuple[float, float]] = {}
+        tail_cells = []
         for name in POLICIES:
-            cells[name] = _timed(lambda n=name, c=cap: simulate(prompts, c, n).hit_rate)
+            cached, dt = _timed(lambda n=name, c=cap: replay(prompts, c, policy(n)))
+            cells[name] = (sum(cached) / total, dt)
+            p90, over = tail(prompts, cached)
+            tail_cells.append(f"{p90:6d} {100 * over:5.1f}")
+        if abs(cells["lru"][0] - simulate(prompts, cap, "lru").hit_rate) > 1e-12:
+            failures.append(f"{trace.name} capacity {cap}: replay and simulate disagree")
         cells["hash"] = _timed(
             lambda c=cap: serve_trace(HashCache(1, "builtin", seed=0), prompts, c).hit_rate)
         cells["belady"] = _timed(lambda c=cap: belady_hit_rate(prompts, c))
@@ -105,7 +136,8 @@ def policy_table(trace: Trace) -> tuple[list[str], list[str]]:
         text = " ".join(f"{100 * rate:5.1f} ({dt / lookups * 1e6:5.1f})"
                         for rate, dt in (cells[c] for c in COLUMNS))
         rows.append(f"{trace.name:12s} {cap:7d} {cap / unique:5.3f}  {text}  {100 * ceiling:5.1f}")
-    return rows, failures
+        tails.append(f"{trace.name:12s} {cap:7d} {cap / unique:5.3f}  " + " ".join(tail_cells))
+    return rows, tails, failures
 
 
 def token_scale(requests: int) -> None:
@@ -150,19 +182,27 @@ def main(argv: list[str] | None = None) -> int:
           "capacity in blocks and as a share of the trace's unique blocks")
     print(f"{'trace':12s} {'blocks':>7s} {'share':>5s}  "
           + " ".join(f"{c:>12s}" for c in COLUMNS) + "  ceiling")
-    failures = []
+    failures, tails = [], []
     for name in args.traces:
         trace = load_trace(name)
         if args.requests is not None:
             trace = Trace(name, trace.requests[:args.requests])
-        rows, failed = policy_table(trace)
+        rows, tail_rows, failed = policy_table(trace)
         failures += failed
+        tails += tail_rows
         for row in rows:
             print(row, flush=True)
     print("asserted: every policy and the hash cache <= Belady <= ceiling; priority == LRU; "
           "Belady non-decreasing in capacity:", "FAILED" if failures else "ok")
     for f in failures:
         print("  " + f)
+    print(f"\n1b. the tail: P90 of uncached blocks per request, and % of requests with more "
+          f"than {TLRU_THRESHOLD} uncached (tail-optimized LRU's threshold)")
+    print(f"{'trace':12s} {'blocks':>7s} {'share':>5s}  " + " ".join(f"{c:>12s}" for c in POLICIES))
+    print(f"{'':26s}  " + " ".join(f"{'p90':>6s} {'>' + str(TLRU_THRESHOLD) + ' %':>5s}"
+                                   for _ in POLICIES))
+    for row in tails:
+        print(row)
     if not args.no_scale:
         token_scale(args.scale_requests)
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
