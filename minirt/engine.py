@@ -193,7 +193,7 @@ class Engine:
         if speculative is not None:  # chapter 13's module, loaded when asked for
             from .speculative import Speculator, check_speculative
 
-            spec = check_speculative(speculative, model, cache, host_capacity)
+            spec = check_speculative(speculative, model, cache)
         if self.windowed:
             _check_window_settings(page_size, policy, deterministic)
         if host_capacity is not None:

@@ -67,12 +67,12 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
 
 
-def check_speculative(value, model=None, cache: str | None = None,
-                      host_capacity: int | None = None) -> SpeculativeConfig | None:
-    """``value`` (None, a ``SpeculativeConfig`` or a dict of its fields) as a config, checked;
+def check_speculative(value, model=None, cache: str | None = None) -> SpeculativeConfig | None:
+    """``value`` (None, a ``SpeculativeConfig`` or a dict of its fields) as a config, checked:
     RequestError for a bad setting, ModelError for a model or cache it cannot run on
-    (anything but a Llama; chapter 11's window cache), TierError-free: a host tier is
-    refused too. Nothing is built: the engine calls this first."""
+    (anything but a Llama; chapter 11's window cache). Nothing is built: the engine calls
+    this first. The radix and hash caches, a host tier under the radix cache, chunked
+    prefill and the deterministic mode all run with it."""
     if value is None:
         return None
     if isinstance(value, Mapping):
@@ -100,9 +100,6 @@ def check_speculative(value, model=None, cache: str | None = None,
     if cache == "window":
         raise ModelError("speculative decoding runs on the radix or hash cache; the window "
                          "cache's forward (forward_windowed) has no verify step")
-    if host_capacity is not None:
-        raise RequestError("speculative decoding is not built for a host tier "
-                           "(host_capacity): use one or the other")
     return value
 
 

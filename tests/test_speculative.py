@@ -85,8 +85,6 @@ def test_unsupported_combinations_are_refused_before_anything_is_built(model):
             Engine(gpt2, capacity=64, speculative={})
         with pytest.raises(ModelError, match="window cache"):
             Engine(model, capacity=64, cache="window", speculative={})
-        with pytest.raises(RequestError, match="host tier"):
-            Engine(model, capacity=64, host_capacity=128, speculative={})
     assert check_speculative(None) is None
     assert check_speculative({"num_speculative_tokens": 2}) == SpeculativeConfig(
         num_speculative_tokens=2)
@@ -244,22 +242,23 @@ def workloads(draw):
     cache = draw(st.sampled_from(["radix", "hash"]))
     chunked = draw(st.booleans())
     batch = draw(st.integers(1, len(prompts)))
-    return prompts, warm, max_new, k, page_size, cache, chunked, batch
+    use_cache = draw(st.sampled_from([True, True, False]))
+    return prompts, warm, max_new, k, page_size, cache, chunked, batch, use_cache
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_speculation_gives_the_tokens_plain_decode_gives(model, workload):
     """tiny_model (fp64, so no greedy tie flips on rounding): any prompts, batch sizes,
-    cached prefixes, k, page sizes, both caches, whole or chunked prefill: the same tokens
+    cached prefixes, k, page sizes, both caches or none, whole or chunked prefill: the same tokens
     as without speculation; integrity and the speculation check after every step; the tree
     holds only prompts and accepted tokens."""
-    prompts, warm, max_new, k, page_size, cache, chunked, batch = workload
+    prompts, warm, max_new, k, page_size, cache, chunked, batch, use_cache = workload
     outs = {}
     for speculative in (None, {"num_speculative_tokens": k, "prompt_lookup_min": 1}):
         engine = Engine(model, capacity=512, page_size=page_size, cache=cache, check=True,
                         token_budget=9 if chunked else 2048, chunked_prefill=chunked,
-                        speculative=speculative)
+                        use_cache=use_cache, speculative=speculative)
         if warm:
             engine.generate(reqs(warm, 2), progress=False)
         out = []
@@ -351,6 +350,25 @@ def test_an_end_of_sequence_token_accepted_mid_run_ends_the_request(model):
         res = engine.generate([Request(prompt=prompt, max_new_tokens=12)], progress=False)
         outs.append(res.results[0].output_ids)
     assert outs[0] == outs[1] == plain[:plain.index(eos) + 1]
+
+
+def test_speculation_under_a_host_tier_with_evictions(model):
+    """A pool too small for the workload, a host tier under the radix cache (load-backs,
+    write-through): the same tokens with speculation as without, integrity every step."""
+    gen = torch.Generator().manual_seed(1)
+    stems = [torch.randint(0, 32, (10,), generator=gen).tolist() for _ in range(3)]
+    prompts = [(s + [i, i + 1]) * 2 for i, s in enumerate(stems * 3)]
+    outs, evicted = [], []
+    for speculative in (None, {"prompt_lookup_min": 1}):
+        engine = Engine(model, capacity=96, page_size=2, host_capacity=512, check=True,
+                        speculative=speculative)
+        out = []
+        for _ in range(2):
+            out += engine.generate(reqs(prompts, 10), progress=False).outputs
+        outs.append(out)
+        evicted.append(engine.evicted_tokens)
+    assert outs[0] == outs[1] and min(evicted) > 0
+    assert engine.speculator.stats.rolled_back > 0
 
 
 # ---------------------------------------------------------------- faults
