@@ -393,3 +393,14 @@ def test_an_error_in_the_rendering_process_names_the_line(tok):
     with pytest.raises(HitcheckInputError, match=r"line 2, field 'messages': the chat template "
                                                   r"cannot render this request.*no system"):
         analyze(requests, tok2, parallel=True)
+
+
+def test_a_small_memo_forgets_old_pieces_and_still_gives_every_prompt(tok, monkeypatch):
+    import importlib
+
+    render_module = importlib.import_module("minirt.hitcheck.render")
+    objs = [chat(("system", f"System {k % 5}"), ("user", f"Question {k}")) for k in range(30)]
+    requests = load_requests(lines(*objs))
+    want = [list(r.ids) for r in render_all(requests, tok)]
+    monkeypatch.setattr(render_module, "MEMO_PIECES", 4)
+    assert [list(r.ids) for r in render_all(requests, tok, batch=3)] == want

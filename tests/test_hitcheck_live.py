@@ -29,7 +29,8 @@ def test_the_server_caches_what_hitcheck_says_was_possible(server, tmp_path, cap
         [("system", system.format(7)), ("user", "How do I reset my password?")],
     ]
     log = tmp_path / "log.jsonl"
-    rows = [{"messages": [{"role": r, "content": c} for r, c in turns]} for turns in chats]
+    rows = [{"messages": [{"role": r, "content": c} for r, c in turns], "conversation": k,
+             "reply": "Open Settings."} for k, turns in enumerate(chats)]
     rows.append({"prompt": "Translate to French: good morning"})
     rows.append({"prompt": "Translate to French: good evening", "max_tokens": 50})
     rows.append({"messages": [{"role": "robot", "content": "x"}]})

@@ -58,8 +58,9 @@ def prompt_bounds(requests: Sequence[LoggedRequest], rendered: Sequence[Rendered
 
 
 def _body(request: LoggedRequest, model: str, max_tokens: int) -> dict:
-    body = {k: v for k, v in request.body.items()
-            if k not in ("stream", "stream_options", "max_completion_tokens", "n")}
+    body = {k: v for k, v in request.body.items()  # without hitcheck's own fields
+            if k not in ("stream", "stream_options", "max_completion_tokens", "n",
+                         "conversation", "conversation_id", "reply")}
     body["model"] = body.get("model") or model
     body["max_tokens"] = min(int(body.get("max_tokens") or max_tokens), max_tokens)
     body["stream"] = False

@@ -16,6 +16,13 @@ SGLang's ``extra_key`` and ``lora_path`` (sglang 0.5.23
 `srt/entrypoints/openai/protocol.py: ChatCompletionRequest.extra_key,
 ChatCompletionRequest.lora_path`), and ``model``, by which vLLM picks a LoRA adapter
 (vllm 0.32.0 `entrypoints/serve/engine/serving.py: BaseServing._maybe_get_adapters`).
+vLLM hashes the salt into a prompt's first block and the adapter into every block (vllm
+0.32.0 `v1/core/kv_cache_utils.py: generate_block_hash_extra_keys`); SGLang appends the
+adapter's id to the extra key (sglang 0.5.23 `srt/managers/schedule_batch.py:
+Req.__init__`) and starts every child key of the tree with the extra key and the salt
+(sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixKey.child_key_at`). hitcheck treats
+requests that differ in any of the four fields as never sharing; two ``model`` names
+that a server maps to one model (aliases) would in fact share.
 
 Every error names the line and the field (``HitcheckInputError``, a ``TraceError``).
 """
@@ -179,7 +186,9 @@ def _optional_str(body: dict, name: str, line: int) -> str | None:
     value = body.get(name)
     if value is None or value == "":
         return None
-    if isinstance(value, list) and len(value) == 1:  # SGLang takes a one-element list too
+    # SGLang's protocol takes a list too, one item a request:
+    # sglang 0.5.23 `srt/entrypoints/openai/protocol.py: CompletionRequest.cache_salt`
+    if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if not isinstance(value, str):
         raise HitcheckInputError(f"must be a string, got {value!r:.80}", line, name)

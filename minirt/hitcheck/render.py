@@ -161,20 +161,21 @@ class _Encoder:
                     self.split = re.compile("(" + "|".join(map(re.escape, names)) + ")")
 
     def _encode_plain(self, texts: list[str]) -> list[list[int]]:
-        if self.fast is not None:
-            return [e.ids for e in self.fast.encode_batch(texts, add_special_tokens=False)]
+        if self.fast is not None:  # encode_batch_fast: no character offsets, a fifth faster
+            batch = getattr(self.fast, "encode_batch_fast", self.fast.encode_batch)
+            return [e.ids for e in batch(texts, add_special_tokens=False)]
         return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
     def encode_many(self, texts: Sequence[str]) -> list[array]:
         if self.split is None:
             return [array("q", ids) for ids in self._encode_plain(list(texts))]
+        if len(self.memo) > MEMO_PIECES:  # forget the older half (before this batch's lookups)
+            for piece in list(itertools.islice(self.memo, len(self.memo) // 2)):
+                del self.memo[piece]
         pieces_of = [self.split.split(t) for t in texts]
         missing = {p for pieces in pieces_of for i, p in enumerate(pieces)
                    if i % 2 == 0 and p and p not in self.memo}
         if missing:
-            if len(self.memo) + len(missing) > MEMO_PIECES:  # forget the older half
-                for piece in list(itertools.islice(self.memo, len(self.memo) // 2)):
-                    del self.memo[piece]
             order = list(missing)
             for piece, ids in zip(order, self._encode_plain(order), strict=True):
                 self.memo[piece] = array("q", ids)
