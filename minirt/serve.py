@@ -3,6 +3,7 @@
     python -m minirt.serve [--port 8000] [--host 127.0.0.1] [--model NAME]
                            [--capacity 8192] [--page-size 1] [--token-budget 2048]
                            [--no-chunked-prefill] [--step-log FILE]
+                           [--speculative-config '{"num_speculative_tokens": 4}']
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``
 (with and without ``stream``), ``GET /metrics`` (Prometheus text: prefix-cache hit and
@@ -469,7 +470,8 @@ async def _sse(worker: EngineWorker, stream: Stream, endpoint: str, ident: str,
 def make_worker(model: str | None = None, capacity: int = 8192, page_size: int = 1,
                 token_budget: int = 2048, policy: str = "lru", device: str | None = None,
                 deterministic: bool = False, step_log: str | None = None,
-                chunked_prefill: bool = True) -> tuple[EngineWorker, str, str]:
+                chunked_prefill: bool = True,
+                speculative: dict | None = None) -> tuple[EngineWorker, str, str]:
     """Load the model (float32 on CPU) and make its worker, not started: (worker, name,
     path)."""
     import torch
@@ -481,7 +483,7 @@ def make_worker(model: str | None = None, capacity: int = 8192, page_size: int =
     name = str(model or os.environ.get("MINIRT_MODEL") or DEFAULT_MODEL)
     engine = Engine(m, tok, capacity=capacity, page_size=page_size, token_budget=token_budget,
                     policy=policy, deterministic=deterministic,
-                    chunked_prefill=chunked_prefill)
+                    chunked_prefill=chunked_prefill, speculative=speculative)
     return EngineWorker(engine, step_log), name, path
 
 
@@ -521,6 +523,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\""
                         ": true, \"endpoint\": \"tcp://*:5557\"}' (minirt.kv_events)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding with prompt-lookup drafts (chapter 13), e.g. "
+                        "'{\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}': "
+                        "minirt.speculative.SpeculativeConfig's fields, vLLM's flag and names "
+                        "(vllm 0.32.0 `engine/arg_utils.py: EngineArgs.speculative_config`)")
     args = p.parse_args(argv)
     if args.step_log and not Path(args.step_log).resolve().parent.is_dir():
         p.error(f"--step-log {args.step_log}: no such directory")  # before the model loads
@@ -532,10 +539,21 @@ def main(argv: list[str] | None = None) -> None:
             kv_events = parse_kv_events_config(args.kv_events_config)
         except KVEventError as exc:
             p.error(str(exc))
+    speculative = None
+    if args.speculative_config is not None:  # checked before the model loads
+        from .errors import MinirtError
+        from .speculative import check_speculative
+
+        try:
+            speculative = json.loads(args.speculative_config)
+            check_speculative(speculative)
+        except (ValueError, TypeError, MinirtError) as exc:
+            p.error(f"--speculative-config: {exc}")
 
     worker, name, path = make_worker(args.model, args.capacity, args.page_size,
                                      args.token_budget, args.policy, args.device,
-                                     args.deterministic, args.step_log, args.chunked_prefill)
+                                     args.deterministic, args.step_log, args.chunked_prefill,
+                                     speculative)
     name = args.served_model_name or name
     publisher = None
     if kv_events is not None:

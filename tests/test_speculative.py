@@ -556,3 +556,18 @@ def test_real_model_bf16_deterministic_speculation_gives_the_same_tokens():
             assert engine.speculator.stats.accepted > 0
     assert all(len(o) == 16 for o in outs[True])
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("config, words", [
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"k": 3}', "unknown settings"),
+    ("not json", "Expecting value"),
+    ("[4]", "a SpeculativeConfig or a dict"),
+])
+def test_serve_refuses_a_bad_speculative_config_before_loading_the_model(config, words, capsys):
+    from minirt import serve
+
+    with mock.patch.object(serve, "make_worker", side_effect=AssertionError("loaded")):
+        with pytest.raises(SystemExit):
+            serve.main(["--speculative-config", config])
+    assert words in capsys.readouterr().err
