@@ -244,15 +244,22 @@ def _bench():
 def test_benchmark_table_on_the_head_of_each_trace_never_beats_belady(name):
     bench = _bench()
     head = Trace(name, load_trace(name).requests[:60])
-    rows, failures = bench.policy_table(head)
+    rows, tails, failures = bench.policy_table(head)
     assert failures == []
-    assert len(rows) == len(bench.FRACTIONS) and all(r.startswith(name) for r in rows)
+    assert len(rows) == len(tails) == len(bench.FRACTIONS)
+    assert all(r.startswith(name) for r in rows + tails)
+    assert {"slru", "tlru"} <= set(bench.COLUMNS)  # every policy SGLang's flag names
+    assert bench.policy("tlru").threshold == bench.TLRU_THRESHOLD
+    # each tail cell is a P90 (whole blocks) and a share in %
+    cells = tails[0].split()[3:]
+    assert len(cells) == 2 * len(bench.POLICIES)
+    assert all(0.0 <= float(c) <= 100.0 for c in cells[1::2])
 
 
 def test_benchmark_reports_a_policy_above_belady(monkeypatch):
     bench = _bench()
     monkeypatch.setattr(bench, "belady_hit_rate", lambda prompts, cap: 0.0)
     head = Trace("conversation", load_trace("conversation").requests[:60])
-    _, failures = bench.policy_table(head)
+    _, _, failures = bench.policy_table(head)
     assert any("lru" in f and "above Belady" in f for f in failures)
     assert not any("Belady fell" in f for f in failures)  # 0.0 every time: not a fall
