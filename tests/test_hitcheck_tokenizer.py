@@ -123,3 +123,24 @@ def test_the_command_line_takes_the_tokenizer_by_path(folder, tmp_path, capsys):
     assert data["tokenizer"] == str(folder)
     assert data["cause_counts"][VOLATILE] == 1
     assert data["requests"][1]["causes"] == [VOLATILE]
+
+
+def test_completions_get_the_tokenizers_special_tokens_and_chat_does_not(folder):
+    """As vLLM's server by default: a BOS before a completions prompt (this tokenizer adds
+    one), none on top of the chat template; a request's add_special_tokens decides."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    text = "What is the capital of France?"
+    bare = tok.encode(text, add_special_tokens=False)
+    rows = [{"prompt": text}, {"prompt": text, "add_special_tokens": False},
+            {"messages": [{"role": "user", "content": text}]},
+            {"messages": [{"role": "user", "content": text}], "add_special_tokens": True}]
+    got = render_all(load_requests([json.dumps(r) for r in rows]), tok)
+    assert list(got[0].ids) == [bos] + bare == tok.encode(text)
+    assert list(got[1].ids) == bare
+    assert got[2].ids[0] != bos and got[3].ids[0] == bos

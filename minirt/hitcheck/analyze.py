@@ -1,25 +1,28 @@
 """The radix tree of a request log's prompts, the hit rates it allows, and why each request
 stops sharing where it does.
 
-Requests are taken in the order they arrived. Each one is looked up, read only, in two
-trees of everything cached before it (its prompt, then the reply the server generated):
+Requests are taken in the order they arrived. Each one is looked up, read only, in the
+tree of everything cached before it (each earlier prompt, then the reply the server
+generated for it), a minirt ``RadixCache`` at page size 1 whose slot values are the token
+ids themselves (no K/V):
 
-- the *open* tree ignores isolation keys. The longest match there names the request's
-  *partner* (the earlier request it shares most with; among equals, the latest of its own
-  conversation, else the latest of all) and the position where the two part;
-- the *keyed* tree keeps requests with different ``IsolationKey`` apart, as a server does
-  with ``cache_salt`` (RadixCache's ``salt``). Its match is the bound at unlimited
-  capacity and page size 1; rounded down to whole pages, the bound at ``page_size``.
+- ignoring isolation keys, the longest match names the request's *partner* (the earlier
+  request it shares most with; among equals, the latest of its own conversation, else the
+  latest of all) and the position where the two part (``shared``);
+- keeping requests with different ``IsolationKey`` apart, as a server does with
+  ``cache_salt``, the longest match is the *bound* at unlimited capacity and page size 1:
+  each node records the keys of the sequences that passed through it, and the bound ends
+  at the deepest node on the match's path that a sequence with this key passed whole;
+  rounded down to whole pages, it is the bound at ``page_size``.
 
-Both are minirt ``RadixCache`` trees at page size 1 (slot values are the token ids: no
-K/V). With ``capacity``, a third ``RadixCache`` of that many tokens, at ``page_size`` with
-``policy``, replays the log as a server would (match, lock, evict, insert, unlock) and
-counts the tokens it actually hits. The losses between the four numbers are the causes
-``ISOLATION`` (open > keyed), ``BLOCK`` (keyed > paged) and ``CAPACITY`` (paged > hit);
-the divergence itself is named by ``classify``.
+With ``capacity``, a second ``RadixCache`` of that many tokens, at ``page_size``, evicting
+by ``policy`` and keyed by salt, replays the log as a server would (match, lock, evict,
+insert, unlock) and counts the tokens it actually hits. The losses between the four
+numbers are the causes ``ISOLATION`` (shared > bound), ``BLOCK`` (bound > paged) and
+``CAPACITY`` (paged > hit); the divergence itself is named by ``classify``.
 
 The analysis streams: a batch of requests is rendered, analysed and dropped, and the
-trees keep the only copy of the tokens.
+tree keeps the only copy of the tokens.
 """
 
 from __future__ import annotations

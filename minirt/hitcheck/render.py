@@ -2,13 +2,19 @@
 
 A chat request is rendered through the tokenizer's chat template with the generation
 prompt (the assistant header the model continues from) and tokenized without adding
-special tokens, as ``transformers``' ``apply_chat_template`` does; a completions request
-is tokenized as it stands (or taken as ids). After the prompt, hitcheck assumes the
-server caches what it generated: the reply's token ids if the log has them; for a reply
-logged as text, the ids its text gets inside the template's rendering of an assistant
-turn (the tokenizer's own tokenization, which a model usually generates), followed by the
-end-of-sequence token. So only a log with the generated token ids can show
-re-tokenization (ids the model generated that the same text, sent back, does not get).
+special tokens, as ``transformers``' ``apply_chat_template`` does; a completions prompt's
+text is tokenized with the special tokens the tokenizer adds (a BOS for many models), and
+its ids are taken as sent. Those are vLLM's server's defaults (vllm 0.32.0
+`entrypoints/openai/completion/protocol.py: CompletionRequest.add_special_tokens`; vllm
+0.32.0 `entrypoints/openai/chat_completion/protocol.py:
+ChatCompletionRequest.add_special_tokens`); a request's own ``add_special_tokens`` wins.
+
+After the prompt, hitcheck assumes the server caches what it generated: the reply's token
+ids if the log has them; for a reply logged as text, the ids its text gets inside the
+template's rendering of an assistant turn (the tokenizer's own tokenization, which a
+model usually generates), followed by the end-of-sequence token. So only a log with the
+generated token ids can show re-tokenization (ids the model generated that the same text,
+sent back, does not get).
 
 Speed: a fast tokenizer splits its input at its added tokens (``<|im_start|>`` and the
 like) before anything else, so the ids of a rendered prompt are the ids of its pieces
@@ -151,6 +157,7 @@ class _Encoder:
         self.tokenizer = tokenizer
         self.fast = getattr(tokenizer, "_tokenizer", None)
         self.memo: dict[str, array] = {}
+        self._specials: tuple[list[int], list[int]] | None = None
         self.split = None
         if self.fast is not None:
             added = self.fast.get_added_tokens_decoder().values()
@@ -159,6 +166,17 @@ class _Encoder:
                 names = sorted(self.added_ids, key=len, reverse=True)
                 if names:
                     self.split = re.compile("(" + "|".join(map(re.escape, names)) + ")")
+
+    def specials(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer adds before and after a text with ``add_special_tokens``
+        (a BOS for many models; nothing for SmolLM2's)."""
+        if self._specials is None:
+            bare = self.tokenizer.encode("x", add_special_tokens=False)
+            full = self.tokenizer.encode("x", add_special_tokens=True)
+            at = next((k for k in range(len(full) - len(bare) + 1)
+                       if full[k:k + len(bare)] == bare), 0)
+            self._specials = (list(full[:at]), list(full[at + len(bare):]))
+        return self._specials
 
     def _encode_plain(self, texts: list[str]) -> list[list[int]]:
         if self.fast is not None:  # encode_batch_fast: no character offsets, a fifth faster
@@ -265,6 +283,10 @@ def _render_batches(requests: Sequence[LoggedRequest], tokenizer,
         for r, text, ids, reply_text in zip(part, texts, encoded, replies, strict=True):
             if r.endpoint == "completions" and not isinstance(r.prompt, str):
                 ids = array("q", r.prompt)  # ids as sent
+            elif r.body.get("add_special_tokens", r.endpoint == "completions") is True:
+                before, after = encoder.specials()
+                if before or after:
+                    ids = array("q", before) + ids + array("q", after)
             if not ids:
                 raise HitcheckInputError("renders to an empty prompt", r.line,
                                          "messages" if r.endpoint == "chat" else "prompt")
