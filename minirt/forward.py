@@ -480,35 +480,50 @@ def forward_windowed(model, layers: Sequence[LayerKV], tables: Sequence[Sequence
 def forward_verify(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Sequence,
                    verify_tables: Sequence[PageTable], verify_ids: Sequence,
                    share_runs: bool = True, deterministic: bool = False,
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Prefills and verify extends in one forward pass of a Llama (ModelError otherwise).
+                   working: WorkingKV | None = None, decode_tables: Sequence[PageTable] = (),
+                   decode_ids: Sequence = (),
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Prefills, verify extends and decode steps in one forward pass of a Llama (ModelError
+    otherwise); any of the three lists may be empty, not all.
 
     ``tables``/``new_ids``: prefills, as ``forward_paged`` runs them (last logits each,
-    ``[vocab]``); either list may be empty. ``verify_tables``/``verify_ids``: each running
-    request's last token followed by its drafts, the last ``len(verify_ids[r])`` positions
-    of its table (slots already taken): an extend like a prefill chunk, but the logits of
-    *every* position are returned, ``[len(verify_ids[r]), vocab]`` each. Each extend
-    computes its own tokens (no common run). In deterministic mode both parts run
-    ``_aligned_rows``, so a verified position gets the bits one-token decode would give.
+    ``[vocab]``). ``verify_tables``/``verify_ids``: each speculating request's last token
+    followed by its drafts, the last ``len(verify_ids[r])`` positions of its table (slots
+    already taken): an extend like a prefill chunk, but the logits of *every* position are
+    returned, ``[len(verify_ids[r]), vocab]`` each; each extend computes its own tokens (no
+    common run). ``decode_tables``/``decode_ids``: requests with no drafts this step, one
+    token each over ``working``, as ``forward_mixed`` decodes them (``[vocab]`` each). In
+    deterministic mode a verified position gets the bits one-token decode would give.
     """
     _require_llama(model)
-    if not tables and not verify_tables:
-        raise PoolError("forward_verify needs something to prefill or verify")
-    if {id(t) for t in tables} & {id(t) for t in verify_tables}:
-        raise PoolError("forward_verify: a request cannot prefill and verify in one pass")
+    if not tables and not verify_tables and not decode_tables:
+        raise PoolError("forward_verify needs something to prefill, verify or decode")
+    ids_of = [{id(t) for t in group} for group in (tables, verify_tables, decode_tables)]
+    if sum(map(len, ids_of)) != len(set().union(*ids_of)):
+        raise PoolError("forward_verify: a request can only prefill, verify or decode in a pass")
+    if decode_tables and working is None:
+        raise PoolError("forward_verify decodes over a WorkingKV: pass `working`")
     if deterministic:
         prepack_bf16(model)
-    parts, vids = [], []
+    parts, vids, kinds = [], [], []
     if tables:
         parts.append(_prefill_rows(pool, tables, _new_ids(tables, new_ids), share_runs,
                                    deterministic))
+        kinds.append("prefill")
     if verify_tables:
         vids = _new_ids(verify_tables, verify_ids)
         parts.append(_extend_rows(pool, verify_tables, vids, deterministic))
-    out = _run(model, parts, deterministic)
-    prefill = list(out[0]) if tables else []
-    verify = list(out[-1].split([x.numel() for x in vids])) if verify_tables else []
-    return prefill, verify
+        kinds.append("verify")
+    if decode_tables:
+        tokens = _new_ids(decode_tables, decode_ids)
+        if any(x.numel() != 1 for x in tokens):
+            raise PoolError("forward_verify decodes one new token per decoding request")
+        parts.append(working.decode_rows(decode_tables, torch.cat(tokens), deterministic))
+        kinds.append("decode")
+    out = dict(zip(kinds, _run(model, parts, deterministic), strict=True))
+    return (list(out["prefill"]) if tables else [],
+            list(out["verify"].split([x.numel() for x in vids])) if verify_tables else [],
+            list(out["decode"]) if decode_tables else [])
 
 
 def _extend_rows(pool: KVPool, tables: Sequence[PageTable], ids: Sequence[torch.Tensor],

@@ -187,10 +187,10 @@ def rejection_sample(drafts: Sequence[int], probs: torch.Tensor,
 
 @dataclass
 class SpecStats:
-    """Counts since the speculator was built: verify passes (``steps``), request-steps
-    verified (``verified``), draft tokens verified (``proposed``) and accepted
-    (``accepted``), tokens appended by verification (``emitted``), and slots rolled back
-    (``rolled_back``: rejected positions whose slots went back on the free list)."""
+    """Counts since the speculator was built: passes that verified drafts (``steps``),
+    request-steps decoded, with drafts or without (``verified``), draft tokens verified
+    (``proposed``) and accepted (``accepted``), tokens those request-steps appended
+    (``emitted``), and slots rolled back (``rolled_back``: freed past the accepted tokens)."""
 
     steps: int = 0
     verified: int = 0
@@ -306,8 +306,9 @@ class Speculator:
     def step(self, prefill: Sequence[Request], decode: Sequence[Request],
              chunks: Sequence[int] | None = None
              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Prefill ``prefill`` and verify every request of ``decode`` in one forward pass;
-        returns the prefills' last logits and each verified request's ``[1 + drafts, vocab]``."""
+        """Prefill ``prefill``, verify every request of ``decode`` that has drafts and decode
+        the others (over the lifecycle's working set), all in one forward pass; returns the
+        prefills' last logits and each decoding request's ``[1 + drafts, vocab]``."""
         lc = self.lifecycle
         prefill, ends = lc._prefill_ready(prefill, chunks) if prefill else ([], [])
         decode = lc._decode_ready(decode) if decode else []
@@ -315,25 +316,32 @@ class Speculator:
             return [], []
         drafts = [self.draft_for(r) for r in decode]
         self._take_slots(decode, drafts)
+        verify = [(r, d) for r, d in zip(decode, drafts, strict=True) if d]
+        plain = [r for r, d in zip(decode, drafts, strict=True) if not d]
         try:
-            p_logits, v_logits = forward_verify(
+            p_logits, v_logits, d_logits = forward_verify(
                 lc.model, lc.pool,
                 [lc._chunk_table(r, e) for r, e in zip(prefill, ends, strict=True)],
                 [r.prompt[r.kv_len:e] for r, e in zip(prefill, ends, strict=True)],
-                [r.page_table for r in decode],
-                [torch.tensor([r.output[-1], *d], dtype=torch.int64)
-                 for r, d in zip(decode, drafts, strict=True)],
-                lc.share_runs, lc.deterministic)
+                [r.page_table for r, _ in verify],
+                [torch.tensor([r.output[-1], *d], dtype=torch.int64) for r, d in verify],
+                lc.share_runs, lc.deterministic, lc.working, [r.page_table for r in plain],
+                [torch.tensor([r.output[-1]]) for r in plain])
         except BaseException:
             for r in decode:  # the slots this step took go back: as if it never ran
                 self.rollback(r, r.kv_len)
             raise
         lc._prefilled(prefill, p_logits, ends)
-        for r, d, lg in zip(decode, drafts, v_logits, strict=True):
+        for (r, d), lg in zip(verify, v_logits, strict=True):
             self._accept(r, d, lg)
-        self.stats.steps += bool(decode)
+        lc._decoded(plain, d_logits)  # no drafts: a plain decode step, on the working set
+        self.stats.verified += len(plain)
+        self.stats.emitted += len(plain)
+        self.stats.steps += bool(verify)
         self.propose(list(prefill) + decode)
-        return p_logits, v_logits
+        by_request = dict(zip(map(id, [r for r, _ in verify] + plain),
+                              [*v_logits, *(lg[None] for lg in d_logits)], strict=True))
+        return p_logits, [by_request[id(r)] for r in decode]
 
     def _accept(self, r: Request, drafts: list[int], logits: torch.Tensor) -> None:
         """Append the tokens verification gives ``r`` (cut after an end-of-sequence token),

@@ -472,8 +472,8 @@ def test_a_verified_position_has_the_bits_of_one_token_decode_in_deterministic_m
         other = PageTable(pool2.alloc(12))  # a prefill beside the verify in the same pass
         forward_paged(m, pool2, [PageTable(table2.slots[:n_pre])], [seq[:n_pre]],
                       deterministic=True)
-        _, verify = forward_verify(m, pool2, [other], [torch.arange(12)], [table2],
-                                   [seq[n_pre:]], deterministic=True)
+        _, verify, _ = forward_verify(m, pool2, [other], [torch.arange(12)], [table2],
+                                      [seq[n_pre:]], deterministic=True)
     assert [i for i in range(5) if not torch.equal(verify[0][i], steps[i])] == []
 
 
