@@ -22,11 +22,13 @@ minirt's alike. A radix node holds tokens, not hashes: the tree hashes the path 
 root when a leaf comes or goes, with a memo of recent block hashes so that a long shared
 prefix is hashed once. Splits and matches change no block and say nothing.
 
-The host tier (chapter 09's ``HiRadixCache``) does not publish: its device tree is a
-radix tree of its own, and what it loads back from host memory arrives through its own
-insert path, not ``_add_leaf``; vLLM reports offloaded blocks with ``medium`` "CPU"
-from its offloading connector, not from the block pool (vllm 0.32.0
-`distributed/kv_events.py: MEDIUM_CPU`). The precise router indexes device blocks only.
+The host tier (chapter 09's ``HiRadixCache``) does not publish yet: it is another
+subclass of ``RadixCache`` with a second tree for host memory, and ``use_event_cache``
+refuses an engine that has one. Publishing it would mean device events as here plus the
+host tree's stores and evictions with ``medium`` "CPU", as vLLM's CPU offloading does
+(vllm 0.32.0 `v1/simple_kv_offload/manager.py: SimpleCPUOffloadScheduler`, its
+``kv_event_medium``); the precise router indexes device blocks only, so a host hit
+would count for nothing in its decisions either way.
 
 ``use_event_cache(engine)`` puts an event cache into a fresh ``Engine`` in place of the
 one it built; ``publish_engine_events(engine, config)`` also starts a publisher from a
