@@ -23,7 +23,16 @@ def parser() -> argparse.ArgumentParser:
         description="Why is my prefix-cache hit rate low? Reads a JSONL log of OpenAI chat "
                     "or completions requests (in arrival order; optional per line: "
                     "'conversation' and 'reply'), renders and tokenizes them, and reports "
-                    "the hit rate a cache could reach and why each request stops sharing.")
+                    "the hit rate a cache could reach and why each request stops sharing.",
+        epilog="With --base-url the server must report usage.prompt_tokens_details."
+               "cached_tokens: start vLLM with --enable-prompt-tokens-details (vllm 0.32.0 "
+               "`entrypoints/launchers/cli_args.py: "
+               "BaseFrontendArgs.enable_prompt_tokens_details`) and SGLang with "
+               "--enable-cache-report (sglang 0.5.23 `srt/arg_groups/fields/serving.py: "
+               "Serving.enable_cache_report`); minirt.serve always reports it. Set "
+               "--page-size to the server's page or block size. Exit status 2: the log, the "
+               "tokenizer or an option could not be used (the message names the line and "
+               "the field).")
     p.add_argument("file", help="the JSONL request log")
     p.add_argument("--tokenizer", default=None,
                    help="Hugging Face tokenizer id or local folder (default: the book's "
