@@ -25,7 +25,7 @@ BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
 .PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean \
         html vendor test-browser peer-vllm router-demo test-router check-citations gpu-prep \
-        gpu-book-cpu fuzz-serve
+        gpu-book-cpu fuzz-serve kv-routing
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -150,6 +150,12 @@ router-demo: model $(ROUTER_VENV)/.installed
 test-router: model $(ROUTER_VENV)/.installed
 	TQDM_DISABLE=1 ROUTER_PYTHON=$(ROUTER_VENV)/bin/python $(BIN)/python -m pytest -q --router \
 	    tests/router
+
+# KV-event routing side by side (benchmarks/kv_routing.py): round robin, the approximate
+# tree, the precise router fed by the replicas' ZMQ events and the oracle, on in-process
+# replicas; --check asserts equal outputs, precise = oracle and a clean event feed.
+kv-routing: model
+	TQDM_DISABLE=1 $(BIN)/python benchmarks/kv_routing.py --quick --tiny --check
 
 clean:
 	rm -rf $(VENV) $(ROUTER_VENV) .pytest_cache .hypothesis _build
