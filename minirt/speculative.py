@@ -5,12 +5,14 @@ its document, a code edit repeats the file). A *proposer* guesses up to ``k`` of
 prompt lookup: find the longest n-gram (``prompt_lookup_min`` to ``prompt_lookup_max``
 tokens) that ends the request's tokens and appeared earlier, and propose the tokens that
 followed its earliest occurrence (vllm 0.32.0
-`v1/spec_decode/ngram_proposer.py: NgramProposer, _find_longest_matched_ngram_and_propose_tokens`;
-SGLang 0.5.23 drafts n-grams from a trie over a corpus and verifies them as a tree,
-sglang 0.5.23 `srt/speculative/ngram_worker.py: NGRAMWorker`, where minirt verifies one
-chain). The next step *verifies* them: the request is an extend of ``1 + len(drafts)``
-tokens (its last token, then the drafts) whose logits at every position are read, in the
-same forward pass as the step's prefills (``forward.forward_verify``). Then:
+`v1/spec_decode/ngram_proposer.py: NgramProposer, _find_longest_matched_ngram_and_propose_tokens`).
+SGLang drafts from one n-gram trie fed with every running request's recent tokens and
+verifies a tree of drafts (sglang 0.5.23
+`srt/speculative/ngram_worker.py: NGRAMWorker, NGRAMWorker._update_ngram_corpus`); minirt
+looks up the request's own tokens and verifies one chain. The next step *verifies* them:
+the request is an extend of ``1 + len(drafts)`` tokens (its last token, then the drafts)
+whose logits at every position are read, in the same forward pass as the step's prefills
+(``forward.forward_verify``). Then:
 
 * greedy acceptance: the longest run of drafts that agree with the target's argmax, plus
   the target's own next token at the first disagreement (or after the last draft), as
@@ -29,8 +31,11 @@ same forward pass as the step's prefills (``forward.forward_verify``). Then:
   request's: its next tokens overwrite it). ``kv_len`` counts accepted tokens only, and
   the tree is only ever given ``tokens[:kv_len]``, so nothing rejected is inserted.
 
-Drafts are proposed at the end of a step, for the next (as vLLM's model runner proposes
-after sampling); a request cancelled in between holds no slot for them. ``Speculator``
+Drafts are proposed at the end of a step, for the next, as vLLM's model runner proposes
+them right after sampling (vllm 0.32.0 `v1/worker/gpu_model_runner.py: GPUModelRunner.sample_tokens`
+calls vllm 0.32.0 `v1/worker/gpu_model_runner.py: GPUModelRunner.propose_draft_token_ids`);
+a request cancelled in between holds no slot for them. Requests with no drafts in a step
+decode as usual, over the working set, in the same pass. ``Speculator``
 ties it to a ``lifecycle.Lifecycle``; ``Engine(speculative=...)`` runs it.
 """
 
