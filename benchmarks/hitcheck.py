@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     t, c = time.perf_counter(), _cpu()
     report = analyze(requests, tokenizer, page_size=args.page_size, capacity=args.capacity,
                      parallel=True)
-    rows.append(("render, tokenize, trees, causes (2 processes)", time.perf_counter() - t,
+    rows.append(("render, tokenize, trees, causes (3 processes)", time.perf_counter() - t,
                  _cpu() - c))
     rows.append(("analysis in all, as the command line runs it", rows[0][1] + rows[1][1],
                  rows[0][2] + rows[1][2]))

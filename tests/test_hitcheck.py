@@ -376,9 +376,14 @@ def test_table_json_and_plot(tmp_path, capsys):
 
 
 def test_rendering_in_a_second_process_gives_the_same_report(tok):
-    objs = [chat(("system", f"Time: 2024-05-01 10:00:0{k % 3}."), ("user", f"Question {k % 4}"))
-            for k in range(40)]
+    import importlib
+
+    render_module = importlib.import_module("minirt.hitcheck.render")
+    objs = [chat(("system", f"Time: 2024-05-01 10:00:0{k % 3}."), ("user", f"Question {k % 4}"),
+                 conversation=k % 5, reply=f"Answer {k}") for k in range(40)]
     requests = load_requests(lines(*objs))
+    owners = {render_module._owner(r, render_module.PROCESSES) for r in requests}
+    assert owners == set(range(render_module.PROCESSES))  # every process has work
     here = analyze(requests, tok, page_size=4, capacity=300, parallel=False, batch=7)
     forked = analyze(requests, tok, page_size=4, capacity=300, parallel=True, batch=7)
     assert forked.to_json() == here.to_json()

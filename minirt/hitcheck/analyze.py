@@ -348,8 +348,8 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
     """Analyse a log (``load_requests``) with ``tokenizer`` (None: the book's model's).
 
     ``rendered``, if given, is ``render_all(requests, tokenizer)`` done already; else the
-    log is rendered batch by batch as the analysis goes (``render_stream``: in a second
-    process for long logs unless ``parallel`` is False).
+    log is rendered batch by batch as the analysis goes (``render_stream``: in other
+    processes for long logs unless ``parallel`` is False).
     """
     from .render import load_tokenizer
 

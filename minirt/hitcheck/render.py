@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import itertools
 import re
+import zlib
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .load import HitcheckInputError, LoggedRequest
 
 __all__ = [
-    "PARALLEL_FROM", "Rendered", "load_tokenizer", "render", "render_all", "render_stream",
-    "tokenizer_name",
+    "PARALLEL_FROM", "PROCESSES", "Rendered", "load_tokenizer", "render", "render_all",
+    "render_stream", "tokenizer_name",
 ]
 
 
@@ -262,13 +263,15 @@ class _Replies:
         return out
 
 
-def _render_batches(requests: Sequence[LoggedRequest], tokenizer,
-                    batch: int) -> Iterator[list[Rendered]]:
+def _render_batches(batches: Iterable[Sequence[LoggedRequest]],
+                    tokenizer) -> Iterator[list[Rendered]]:
     encoder = _Encoder(tokenizer)
     template = _Template(tokenizer)
     replies_encoder = _Replies(encoder, template)
-    for start in range(0, len(requests), batch):
-        part = requests[start:start + batch]
+    for part in batches:
+        if not part:
+            yield []
+            continue
         texts, replies = [], []
         for r in part:
             if r.endpoint == "chat":
@@ -295,10 +298,13 @@ def _render_batches(requests: Sequence[LoggedRequest], tokenizer,
         yield out
 
 
-def _child(requests, tokenizer, batch: int, conn) -> None:
-    """The rendering process: every batch down the pipe, then None (or the error)."""
+def _child(requests, owners, worker: int, tokenizer, batch: int, conn) -> None:
+    """A rendering process: of every batch, the requests that are ``worker``'s, down the
+    pipe; then None (or the error)."""
     try:
-        for out in _render_batches(requests, tokenizer, batch):
+        mine = ([r for r, o in zip(requests[k:k + batch], owners[k:k + batch], strict=True)
+                 if o == worker] for k in range(0, len(requests), batch))
+        for out in _render_batches(mine, tokenizer):
             conn.send(out)
         conn.send(None)
     except HitcheckInputError as exc:
@@ -309,45 +315,69 @@ def _child(requests, tokenizer, batch: int, conn) -> None:
         conn.close()
 
 
-PARALLEL_FROM = 5000  # logs this long render in a second process (where fork exists)
+PARALLEL_FROM = 5000  # logs this long render in other processes (where fork exists)
+PROCESSES = 2  # rendering processes: each tokenizes its own conversations' pieces
+
+
+def _owner(request: LoggedRequest, processes: int) -> int:
+    """Which rendering process takes ``request``: by conversation (else by its first
+    message or prompt), so a conversation's history is in one process's memo."""
+    if request.conversation is not None:
+        key = request.conversation
+    elif request.messages:
+        key = request.messages[0]["content"][:200]
+    else:
+        key = str(request.prompt)[:200]
+    return zlib.crc32(key.encode("utf-8", "surrogatepass")) % processes
 
 
 def render_stream(requests: Sequence[LoggedRequest], tokenizer, batch: int = 2048,
                   parallel: bool | None = None) -> Iterator[list[Rendered]]:
     """``render_all`` in batches, in order. With ``parallel`` (default: for logs of at least
-    ``PARALLEL_FROM`` requests, where the platform can fork) a forked process renders and
-    tokenizes while the caller works on the batches already done: the template and the
-    assembly of ids are Python, one core each, so two cores overlap them with the trees."""
+    ``PARALLEL_FROM`` requests, where the platform can fork) ``PROCESSES`` forked processes
+    render and tokenize, each its own conversations, while the caller works on the batches
+    already done: the template and the assembly of ids are Python, one core each."""
     import multiprocessing as mp
 
     if parallel is None:
         parallel = len(requests) >= PARALLEL_FROM
+    ranges = (requests[k:k + batch] for k in range(0, len(requests), batch))
     if not parallel or "fork" not in mp.get_all_start_methods():
-        yield from _render_batches(requests, tokenizer, batch)
+        yield from _render_batches(ranges, tokenizer)
         return
     ctx = mp.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(requests, tokenizer, batch, send), daemon=True)
-    child.start()
-    send.close()
+    owners = [_owner(r, PROCESSES) for r in requests]
+    pipes, children = [], []
+    for worker in range(PROCESSES):
+        receive, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_child, daemon=True,
+                            args=(requests, owners, worker, tokenizer, batch, send))
+        child.start()
+        send.close()
+        pipes.append(receive)
+        children.append(child)
     try:
-        while True:
-            try:
-                got = receive.recv()
-            except EOFError:
-                raise HitcheckInputError("the rendering process ended without an answer "
-                                         f"(exit code {child.exitcode})") from None
-            if got is None:
-                break
-            if isinstance(got, tuple):
-                raise HitcheckInputError(got[1], got[2], got[3])
-            yield got
+        for k in range(0, len(requests), batch):
+            parts = []
+            for receive, child in zip(pipes, children, strict=True):
+                try:
+                    got = receive.recv()
+                except EOFError:
+                    raise HitcheckInputError("a rendering process ended without an answer "
+                                             f"(exit code {child.exitcode})") from None
+                if isinstance(got, tuple):
+                    raise HitcheckInputError(got[1], got[2], got[3])
+                parts.append(iter(got))
+            yield [next(parts[o]) for o in owners[k:k + batch]]
+        for receive in pipes:  # each process's closing None
+            receive.recv()
     finally:
-        receive.close()
-        child.join(timeout=5)
-        if child.is_alive():
-            child.terminate()
-            child.join()
+        for receive, child in zip(pipes, children, strict=True):
+            receive.close()
+            child.join(timeout=5)
+            if child.is_alive():
+                child.terminate()
+                child.join()
 
 
 def render_all(requests: Sequence[LoggedRequest], tokenizer, batch: int = 2048,
