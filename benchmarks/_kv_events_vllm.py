@@ -4,8 +4,9 @@ Starts ``LLM(...)`` with prefix caching, the spec's block size (vLLM's CPU atten
 a multiple of 32) and
 ``kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", ...}``
 (vllm 0.32.0 `config/kv_events.py: KVEventsConfig`), subscribes to its PUB socket,
-generates the spec's prompts (token ids) one at a time, resets the prefix cache, and
-writes every frame received as hex to the output file.
+generates the spec's prompts (token ids) one at a time, resets the prefix cache (and runs
+one short step so that vLLM publishes it), and writes every frame received as hex to the
+output file.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def main(spec_path: str, out_path: str) -> None:
                         "output_ids": list(out.outputs[0].token_ids)})
         drain(1.0)
     llm.reset_prefix_cache()
+    # the scheduler publishes a step's events at the end of the next step: run one whose
+    # prompt fills no block, so AllBlocksCleared is the only news
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])],
+                 SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     drain(2.0)
     with open(out_path, "w") as f:
         json.dump({"frames": frames, "outputs": outputs}, f)
