@@ -265,8 +265,8 @@ def _check_count(value: object, what: str) -> int:
 class SLRU(EvictionPolicy):
     """Segmented LRU: nodes hit fewer than ``protected_threshold`` times go first, LRU inside.
 
-    Key ``(segment, last_access, id)``: segment 0 (probationary) while
-    ``hit_count < protected_threshold``, 1 (protected) from then on, so a node reused
+    Key ``(segment, last_access, id)``: segment 0 (probationary) while its hits
+    (below) are fewer than ``protected_threshold``, 1 (protected) from then on, so a node reused
     often enough outlives every probationary one however old it is. The same tuple as
     sglang 0.5.23 `srt/mem_cache/evict_policy.py: SLRUStrategy.get_priority`, with the
     same default of 2, set there through ``--radix-eviction-policy-config``
@@ -274,27 +274,29 @@ class SLRU(EvictionPolicy):
 
     Where minirt differs: its ``hit_count`` counts the ``match_prefix`` calls that
     reached a node (as LFU's does); SGLang counts at insert, once per request for each
-    node that request did not insert itself
+    node that request did not insert itself, and once for the request that made the node
     (sglang 0.5.23 `srt/mem_cache/unified_cache/unified_tree_core.py:
-    UnifiedTreeCore._finish_insert_walk_node`).
-    In a replay (match, then insert) both count one per request that reuses the node.
-    SGLang takes any threshold; minirt refuses one below 1, which would protect every
-    node and make SLRU plain LRU.
+    UnifiedTreeCore._finish_insert_walk_node, UnifiedTreeCore._should_backup_after_insert`;
+    sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache._insert_helper`), so its new
+    node starts at 1. The segment test here is therefore ``hit_count + 1 >=
+    protected_threshold``: with the default 2 a node is protected from its first reuse, as
+    in SGLang. SGLang takes any threshold; minirt refuses one below 2, which would protect
+    every node (a new one included) and make SLRU plain LRU.
     """
 
     name = "slru"
 
     def __init__(self, protected_threshold: int = 2) -> None:
         if isinstance(protected_threshold, bool) or not isinstance(protected_threshold, int) \
-                or protected_threshold < 1:
+                or protected_threshold < 2:
             raise ValueError(
-                f"slru: protected_threshold must be an int >= 1 (hits that move a node to the "
-                f"protected segment; 0 would protect every node: plain LRU), got "
-                f"{protected_threshold!r}")
+                f"slru: protected_threshold must be an int >= 2 (hits, the insert that made a "
+                f"node counting as one, that move it to the protected segment; 1 would protect "
+                f"every node: plain LRU), got {protected_threshold!r}")
         self.protected_threshold = protected_threshold
 
     def key(self, node: RadixNode) -> tuple[int, ...]:
-        protected = 1 if node.hit_count >= self.protected_threshold else 0
+        protected = 1 if node.hit_count + 1 >= self.protected_threshold else 0
         return (protected, node.last_access, node.id)
 
     def __repr__(self) -> str:

@@ -53,8 +53,8 @@ def test_names_and_settings_as_sglangs_flags():
     (lambda: TLRU(8, -2), "next_prompt_estimate must be a non-negative int"),
     (lambda: TLRU(8.0), "threshold must be a non-negative int"),
     (lambda: TLRU(True), "threshold must be a non-negative int"),
-    (lambda: SLRU(0), "protected_threshold must be an int >= 1"),
-    (lambda: SLRU(2.5), "protected_threshold must be an int >= 1"),
+    (lambda: SLRU(1), "protected_threshold must be an int >= 2"),
+    (lambda: SLRU(2.5), "protected_threshold must be an int >= 2"),
     (lambda: make_policy_from_config("slru", {"threshold": 3}), "unknown setting 'threshold'"),
     (lambda: make_policy_from_config("lru", {"protected_threshold": 3}), "takes no settings"),
     (lambda: make_policy_from_config("tlru", [4, 1]), "config must be a dict"),
@@ -76,7 +76,9 @@ def test_tlru_refuses_a_node_it_was_never_told_about():
 
 
 def test_slru_probationary_before_protected_then_lru():
-    cache = RadixCache(policy=SLRU(2))
+    """SLRU(3): the insert that made a node counts as its first hit (as in SGLang), so a
+    node is protected from its second reuse on."""
+    cache = RadixCache(policy=SLRU(3))
     cache.insert_prefix([1, 2], [0, 1])
     for k in range(10, 15):
         cache.insert_prefix([1, 2, k], [0, 1, 100 + k])
@@ -84,7 +86,7 @@ def test_slru_probationary_before_protected_then_lru():
         for _ in range(hits):
             cache.match_prefix([1, 2, k])
     cache.match_prefix([1, 2, 14])  # 14: one hit, the most recent use
-    # probationary (fewer than 2 hits) oldest first: 11 (never used since insert), 13,
+    # probationary (fewer than 2 reuses) oldest first: 11 (never used since insert), 13,
     # 14; then the protected ones oldest first: 10, 12; then [1, 2], protected too
     assert evict_one_by_one(cache) == [[111], [113], [114], [110], [112], [0, 1]]
     assert_invariants(cache)
@@ -209,7 +211,7 @@ class KeyModel:
     def key(self, policy, first: tuple) -> tuple:
         """The policy's key for a leaf whose first page ends the prefix ``first``."""
         if isinstance(policy, SLRU):
-            return (int(self.hits[first] >= policy.protected_threshold), self.last[first])
+            return (int(self.hits[first] + 1 >= policy.protected_threshold), self.last[first])
         start = len(first) - self.page
         budget = max(self.deepest[first] + policy.next_prompt_estimate - policy.threshold, 0)
         return (-1 if start >= budget else 0, self.last[first])
@@ -236,7 +238,7 @@ ops = st.lists(
     min_size=4, max_size=50,
 )
 policies = st.one_of(
-    st.builds(SLRU, st.integers(1, 3)),
+    st.builds(SLRU, st.integers(2, 4)),
     st.integers(0, 4).flatmap(
         lambda est: st.builds(TLRU, st.integers(est + 1, est + 8), st.just(est))),
 )

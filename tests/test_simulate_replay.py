@@ -31,7 +31,7 @@ def test_replay_names_who_missed():
     trace = [[1, 2, 3], [4, 5, 6], [1, 2, 3], [1, 2, 3, 7]]
     assert replay(trace, 7) == [0, 0, 3, 3]
     assert replay(trace, 4) == [0, 0, 0, 3]  # [1, 2, 3] was evicted for [4, 5, 6]
-    assert replay([torch.tensor(r) for r in trace], 7, SLRU(1)) == [0, 0, 3, 3]
+    assert replay([torch.tensor(r) for r in trace], 7, SLRU(2)) == [0, 0, 3, 3]
     with pytest.raises(RequestError):
         replay(trace, 2)
     with pytest.raises(PoolError):
