@@ -37,7 +37,7 @@ hash is ``hash_fn((parent, tuple(block_tokens), extra_keys))``, parent the previ
 block's hash or ``NONE_HASH`` for the first. The default algorithm is "sha256"
 (vllm 0.32.0 `config/cache.py: CacheConfig.prefix_caching_hash_algo`): SHA-256 of the
 pickled tuple (vllm 0.32.0 `utils/hashing.py: sha256`). ``NONE_HASH`` is the hash of
-the seed string "vllm-none-hash", or of ``PYTHONHASHSEED`` when set (vllm 0.32.0
+the string "vllm-none-hash", or of ``PYTHONHASHSEED`` when set (vllm 0.32.0
 `v1/core/kv_cache_utils.py: resolve_none_hash_seed, init_none_hash`). Events carry each
 hash cut to its low 64 bits as an int (vllm 0.32.0
 `v1/core/kv_cache_utils.py: maybe_convert_block_hash`, on by default through
@@ -410,7 +410,7 @@ def none_hash(seed: str | None = None) -> bytes:
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED", VLLM_NONE_HASH_SEED)
     if not isinstance(seed, str):
-        raise KVEventError(f"the seed is a str, got {seed!r}")
+        raise KVEventError(f"none_hash's seed must be a str, got {seed!r}")
     return vllm_sha256(seed)
 
 
@@ -428,7 +428,7 @@ def vllm_block_hashes(tokens: Sequence[int], block_size: int, *, salt: str | Non
 
     ``salt``: the request's cache_salt; ``lora``: its adapter's (name, path). Without a
     LoRA adapter this is chapter 08's ``hashcache.block_hashes`` with vLLM's hash
-    function and ``NONE_HASH`` as the seed.
+    function and ``NONE_HASH`` as the first parent.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise KVEventError(f"block_size must be a positive int, got {block_size!r}")
