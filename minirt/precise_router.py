@@ -60,22 +60,10 @@ from .kv_events import (
     external_block_hash,
     none_hash,
 )
-from .router import DEFAULTS, CacheAwareRouter, Decision, Router
+from .router import DEFAULTS, CacheAwareRouter, Decision, Router, check_int, check_number
 
 __all__ = ["BlockIndex", "EventSource", "FeedStats", "KVEventSubscriber", "OracleRouter",
            "PreciseRouter", "ReplicaFeed", "request_block_hashes"]
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise RouterError(f"{name} must be an int >= {low}, got {value!r}")
-
-
-def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value \
-            or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise RouterError(f"{name} must be a number {bound}, got {value!r}")
 
 
 def request_block_hashes(ids: Sequence[int], block_size: int, salt: str | None = None,
@@ -93,7 +81,7 @@ class BlockIndex:
     """Block hash -> {replica: how many blocks with that hash it holds}."""
 
     def __init__(self, num_replicas: int) -> None:
-        _check_int("num_replicas", num_replicas, 1)
+        check_int("num_replicas", num_replicas, 1)
         self.num_replicas = num_replicas
         self._where: dict[int | bytes, Counter[int]] = {}
         self._held: list[Counter[int | bytes]] = [Counter() for _ in range(num_replicas)]
@@ -414,9 +402,9 @@ class _RuleRouter(Router):
                  cache_threshold: float, balance_abs_threshold: int,
                  balance_rel_threshold: float) -> None:
         super().__init__(num_replicas)
-        _check_number("cache_threshold", cache_threshold, 0.0, 1.0)
-        _check_int("balance_abs_threshold", balance_abs_threshold, 0)
-        _check_number("balance_rel_threshold", balance_rel_threshold, 1.0)
+        check_number("cache_threshold", cache_threshold, 0.0, 1.0)
+        check_int("balance_abs_threshold", balance_abs_threshold, 0)
+        check_number("balance_rel_threshold", balance_rel_threshold, 1.0)
         self.tokenize = tokenize
         self.cache_threshold = float(cache_threshold)
         self.balance_abs_threshold = balance_abs_threshold
@@ -472,7 +460,7 @@ class PreciseRouter(_RuleRouter):
                  balance_rel_threshold: float = DEFAULTS["balance_rel_threshold"]) -> None:
         super().__init__(num_replicas, tokenize, cache_threshold, balance_abs_threshold,
                          balance_rel_threshold)
-        _check_int("block_size", block_size, 1)
+        check_int("block_size", block_size, 1)
         self.block_size, self.salt = block_size, salt
         self.subscriber = subscriber
         self.index = subscriber.index if subscriber is not None else BlockIndex(num_replicas)

@@ -478,9 +478,9 @@ class CacheAwareRouter(Router):
                  max_tree_size: int = DEFAULTS["max_tree_size"],
                  evict_every: int = 1) -> None:
         super().__init__(num_replicas)
-        _check_number("cache_threshold", cache_threshold, 0.0, 1.0)
+        check_number("cache_threshold", cache_threshold, 0.0, 1.0)
         check_int("balance_abs_threshold", balance_abs_threshold, 0)
-        _check_number("balance_rel_threshold", balance_rel_threshold, 1.0)
+        check_number("balance_rel_threshold", balance_rel_threshold, 1.0)
         check_int("max_tree_size", max_tree_size, 1)
         check_int("evict_every", evict_every, 1)
         self.cache_threshold = float(cache_threshold)
@@ -564,7 +564,8 @@ def check_int(name: str, value: Any, low: int | None = None) -> None:
                           f"got {value!r}")
 
 
-def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
+def check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
+    """RouterError unless ``value`` is a finite int or float (not a bool) in [low, high]."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) \
         and math.isfinite(value) and value >= low and (high is None or value <= high)
     if not ok:

@@ -26,7 +26,7 @@ __all__ = ["BEYOND", "HELPERS", "MAP", "MapRow", "check_map", "markdown_table", 
 
 # Modules that serve the notebooks, not a server: no row of their own.
 HELPERS = frozenset({"book", "viz", "widgets", "checks", "errors", "simulate", "server_map",
-                     "traffic"})
+                     "traffic", "hitcheck"})  # hitcheck: a tool run on a user's logs
 
 _CITED = re.compile(r"(sglang-router|sglang|vllm) \d+\.\d+\.\d+ `[^`]+`")
 
@@ -351,6 +351,23 @@ MAP: list[MapRow] = [
          "--dp-size (SGLang), --data-parallel-size (vLLM)",
          "replicas in their own processes or machines; minirt's share one model in one "
          "process and step in turn"),
+        ("kv_events.ZmqEventPublisher",
+         "sglang 0.5.23 `srt/disaggregation/kv_events.py: ZmqEventPublisher, KVEventBatch`",
+         "vllm 0.32.0 `distributed/kv_events.py: ZmqEventPublisher, KVEventBatch, BlockStored, "
+         "BlockRemoved, AllBlocksCleared`",
+         "--kv-events-config (both; minirt.serve takes vLLM's JSON)",
+         "a publisher thread with a bounded queue; one publisher per data-parallel rank"),
+        ("kv_event_caches.EventRadixCache",
+         "sglang 0.5.23 `srt/mem_cache/events.py: KVCacheEventRecorder` (SGLang's own "
+         "namespaced block hashes, not vLLM's)",
+         "vllm 0.32.0 `v1/core/block_pool.py: BlockPool.take_events`",
+         "--kv-events-config",
+         "events from the host and storage tiers too (minirt's host tier does not publish)"),
+        ("precise_router.PreciseRouter",
+         "none in sglang-router 0.3.2 (its cache_aware policy guesses from routed text)",
+         "none in vLLM 0.32.0 itself (its events are for an external router)",
+         "-", "production indexers (NVIDIA Dynamo's KV router, llm-d's precise prefix-cache "
+         "scorer) read the same events; minirt's decides with 09a's balance rule"),
         ("router.ApproxTree", "sglang-router 0.3.2 `src/policies/tree.rs: Tree` (one per model, "
          "nodes annotated with tenants)", "none",
          "--max-tree-size, --eviction-interval-secs (60)",
