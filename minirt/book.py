@@ -32,16 +32,17 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
     2: ("radix", "viz", "workloads"),
     3: ("cache", "token_ids", "widgets"),
     4: ("pool", "forward", "lifecycle"),  # forward: over 06's llama, attention, working_set
-    5: ("eviction", "simulate", "traces"),  # traces: production traffic, no chapter yet
-    6: ("request", "engine", "chat", "llama", "attention", "working_set", "serve", "replay",
-        "kernels"),  # serve, replay: 06a; kernels: appendix 06b
+    5: ("eviction", "simulate"),
+    6: ("request", "engine", "chat", "llama", "attention", "working_set", "serve", "engine_worker",
+        "replay", "kernels"),  # serve, engine_worker, replay: 06a; kernels: appendix 06b
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),
-    9: ("tiers", "router", "replicas", "server_map",  # server_map: chapter 09a, part of chapter 9
-        "kv_events", "kv_event_caches", "precise_router",
-        "traffic"),  # traffic: chapter 09b (real traffic), part of chapter 9
+    # 09a: server_map; 09b (real traffic): traces, traffic; 09c (planned): the KV events
+    9: ("tiers", "router", "replicas", "server_map", "traces", "traffic",
+        "kv_events", "kv_event_caches", "precise_router"),
     11: ("hybrid", "window_lifecycle", "state"),
     12: ("hitcheck",),
+    13: ("speculative",),  # Engine(speculative=...), built ahead of its planned chapter
 }
 
 
