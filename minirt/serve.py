@@ -9,7 +9,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/comp
 (with and without ``stream``), ``GET /metrics`` (Prometheus text: prefix-cache hit and
 query tokens, requests, slots), ``GET /health`` and ``GET /get_model_info`` (what
 SGLang's router asks a replica). Requests take ``max_tokens``, ``temperature``,
-``top_k``, ``seed``, ``stop``, ``ignore_eos`` and ``stream_options.include_usage``;
+``top_k``, ``seed``, ``stop``, ``ignore_eos``, ``cache_salt`` (vLLM's field: only requests
+with the same salt share cached K/V) and ``stream_options.include_usage``;
 ``usage`` carries ``prompt_tokens_details.cached_tokens`` as vLLM reports it. Unknown
 fields are ignored (a router adds its own); known OpenAI fields whose effect minirt
 does not implement (``n`` > 1, ``logprobs``, ``top_p`` < 1, penalties, tools, ...) get
@@ -167,9 +168,14 @@ def sampling_options(body: dict, endpoint: str) -> dict:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"'ignore_eos' must be a boolean, got {ignore_eos!r}", "ignore_eos")
+    # a non-empty string, as vLLM checks it first (vllm 0.32.0
+    # `entrypoints/generate/base/protocol.py: validate_cache_salt`; it also caps the length)
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise BadRequest(f"'cache_salt' must be a non-empty string, got {salt!r}", "cache_salt")
     return {"max_new_tokens": max_tokens, "temperature": temperature,
             "top_k": max(top_k, 0), "seed": seed, "stop": tuple(stop),
-            "stop_on_eos": not ignore_eos}
+            "stop_on_eos": not ignore_eos, "cache_salt": salt}
 
 
 def chat_messages(body: dict) -> list[dict[str, str]]:

@@ -128,6 +128,28 @@ def test_chat_stream_and_not_and_cached_tokens_as_the_engine_counts(server, loca
     assert hits == want2.metrics.cached_tokens
 
 
+def test_cache_salt_isolates_requests_and_a_bad_salt_is_refused(http):
+    """vLLM's cache_salt: a request shares cached K/V only with requests of the same salt;
+    a salt that is not a non-empty string gets 400 and changes nothing."""
+    prompt = f"Shop {uuid.uuid4().hex}: the opening hours are nine to five, every weekday."
+
+    def cached(**extra) -> int:
+        r = http.post("/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                            "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="team-a") == 0
+    assert cached(cache_salt="team-b") == 0          # another salt: nothing shared
+    assert cached() == 0                             # no salt is a namespace of its own
+    assert cached(cache_salt="team-a") > 10          # the same salt shares
+    for bad in ("", 7, ["team-a"]):
+        r = http.post("/completions", json={"model": MODEL, "prompt": prompt,
+                                            "max_tokens": 1, "cache_salt": bad})
+        assert r.status_code == 400 and "cache_salt" in r.text, (bad, r.text)
+    assert cached(cache_salt="team-b") > 10
+
+
 def test_completions_with_token_ids_stop_and_seed(http, local):
     _, tokenizer = local
     ids = tokenizer("The capital of France is")["input_ids"]
