@@ -87,9 +87,13 @@ ROOT = Path(__file__).resolve().parent.parent
 ADOPTED = [
     "chapters/07_scheduling.ipynb",
     "chapters/09_beyond.ipynb",
+    "chapters/09b_real_traffic.ipynb",
     "chapters/11_hybrid.ipynb",
+    "chapters/12_hit_rate.ipynb",
     "solutions/07_scheduling.ipynb",
+    "solutions/09b_real_traffic.ipynb",
     "solutions/11_hybrid.ipynb",
+    "solutions/12_hit_rate.ipynb",
 ]
 
 META_KEY = "prose_numbers"
