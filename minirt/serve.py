@@ -168,8 +168,8 @@ def sampling_options(body: dict, endpoint: str) -> dict:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"'ignore_eos' must be a boolean, got {ignore_eos!r}", "ignore_eos")
-    # a non-empty string, as vLLM checks it first (vllm 0.32.0
-    # `entrypoints/generate/base/protocol.py: validate_cache_salt`; it also caps the length)
+    # a non-empty string, as vLLM checks it first (it also caps the length):
+    # vllm 0.32.0 `entrypoints/generate/base/protocol.py: validate_cache_salt`
     salt = body.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and salt):
         raise BadRequest(f"'cache_salt' must be a non-empty string, got {salt!r}", "cache_salt")
