@@ -18,6 +18,13 @@ Workloads, where the approximate tree goes wrong:
   of the same replicas; each tree sees half the traffic, each router counts only its own
   load; the two precise routers read the same events.
 
+Policies: ``round_robin``; ``approx``, chapter 09a's ``CacheAwareRouter``; ``precise_09a``,
+the precise router with chapter 09a's rule as it is (``affinity=False``: a request no
+replica holds goes to the least-loaded replica); ``precise``, the same with the affinity
+step (such a request goes to the replica that last stored its deepest block, learned from
+the events; see ``minirt.precise_router``); ``oracle``, ``precise``'s rule reading the
+caches directly. All share the thresholds.
+
 Per policy: prompt tokens found in the cache ("hit tokens"), prefill tokens computed,
 TTFT as the prefill tokens the request's replica computed from its routing until its own
 prefill (a count standing for time on a CPU this loaded), the spread of in-flight
@@ -25,12 +32,39 @@ requests across replicas, and whether every output equals round robin's (greedy)
 
     .venv/bin/python benchmarks/kv_routing.py --quick --tiny   # seconds, any machine
     .venv/bin/python benchmarks/kv_routing.py                  # the default model
+    .venv/bin/python benchmarks/kv_routing.py --quick --tiny --json benchmarks/kv_routing.json
+
+``--json PATH`` writes the table as JSON (``benchmarks/kv_routing.json`` is the recorded
+run the chapter reads; ``table_json`` builds the same dict in-process). Schema::
+
+    {"schema": 1,
+     "command": str,                  # the command line that printed it
+     "settings": {"model": "tiny" | "default", "replicas": int, "capacity": int,
+                  "page": int, "requests": int, "tenants": int, "prompt_tokens": [min, max],
+                  "concurrency": int, "max_new_tokens": int, "balance_abs": int,
+                  "balance_rel": float, "cache_threshold": float, "seed": int},
+     "policies": ["round_robin", "approx", "precise_09a", "precise", "oracle"],
+     "workloads": {"eviction" | "restart" | "two_routers": {
+         "<policy>": {"prompt_tokens": int,      # prompt tokens of every request
+                      "hit_tokens": int,         # of them found cached
+                      "computed": int,           # prompt_tokens - hit_tokens
+                      "hit_rate": float,
+                      "ttft_mean": float,        # TTFT in prefill tokens (see above)
+                      "ttft_p90": int,
+                      "spread": float,           # mean max - min in-flight requests
+                      "outputs_equal": int,      # outputs equal to round robin's
+                      "requests": int,
+                      "reasons": {str: int},     # routing decisions by reason
+                      "feed": {str: int} | null}}},  # precise: FeedStats totals
+     "staleness": {...} | null}        # see ``staleness`` (absent: not measured)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -52,7 +86,7 @@ from minirt.replicas import chat_routing_text, tenant_chats
 from minirt.request import Request, chat_prompt_ids
 from minirt.router import CacheAwareRouter, RoundRobinRouter
 
-POLICIES = ("round_robin", "approx", "precise", "oracle")
+POLICIES = ("round_robin", "approx", "precise_09a", "precise", "oracle")
 SCENARIOS = ("eviction", "restart", "two_routers")
 
 
@@ -76,6 +110,10 @@ class Outcome:
     spreads: list[int] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     feed: str = ""
+    feed_totals: dict[str, int] | None = None
+    routed: dict[str, tuple[int, str]] = field(default_factory=dict)  # rid -> replica, reason
+    hits: dict[str, int] = field(default_factory=dict)  # rid -> cached prompt tokens
+    reasons: Counter = field(default_factory=Counter)
 
 
 def workload(tokenizer, tenants: int, requests: int, system_tokens: int, seed: int) -> list[Job]:
@@ -106,7 +144,8 @@ class Replica:
 
     def step(self):
         out = self.engine.step()
-        self.pub.publish_events(self.cache.take_events())
+        self.events = self.cache.take_events()
+        self.pub.publish_events(self.events)
         return out
 
     def restart(self) -> None:
@@ -133,15 +172,16 @@ def _publisher(port: str, replay_port: str) -> ZmqEventPublisher:
 def make_router(policy: str, replicas: list[Replica], args):
     """One router; the three cache-aware ones share chapter 09a's balance thresholds."""
     n = len(replicas)
-    rule = {"balance_abs_threshold": args.balance_abs, "balance_rel_threshold": args.balance_rel}
+    rule = {"balance_abs_threshold": args.balance_abs, "balance_rel_threshold": args.balance_rel,
+            "cache_threshold": args.cache_threshold}
     if policy == "round_robin":
         return RoundRobinRouter(n)
     if policy == "approx":
         return CacheAwareRouter(n, **rule)
-    if policy == "precise":
+    if policy in ("precise", "precise_09a"):
         sub = KVEventSubscriber(BlockIndex(n), [r.source for r in replicas],
                                 block_size=args.page)
-        return PreciseRouter(n, args.page, subscriber=sub, **rule)
+        return PreciseRouter(n, args.page, subscriber=sub, affinity=policy == "precise", **rule)
     return OracleRouter([r.cache for r in replicas], **rule)
 
 
@@ -173,6 +213,7 @@ def run(policy: str, scenario: str, model, tokenizer, jobs: list[Job], args) -> 
         else:
             replica = router.route(job.text)
         out.spreads.append(max(inflight) - min(inflight))
+        out.routed[job.rid] = (replica, router.decisions[-1].reason)
         inflight[replica] += 1
         replicas[replica].engine.submit(Request(prompt=job.ids,
                                                 max_new_tokens=args.max_new_tokens,
@@ -182,6 +223,9 @@ def run(policy: str, scenario: str, model, tokenizer, jobs: list[Job], args) -> 
 
     def step(i: int) -> None:
         result = replicas[i].step()
+        for router in routers:
+            if isinstance(router, OracleRouter):
+                router.observe(i, replicas[i].events)
         computed[i] += sum(len(h.lc.prompt) - h.lc.reused_len for h in result.admitted)
         for h in result.admitted:
             out.waits.append(computed[i] - live[h.rid][2])
@@ -190,6 +234,7 @@ def run(policy: str, scenario: str, model, tokenizer, jobs: list[Job], args) -> 
             metrics = h.result.metrics
             out.prompt += metrics.prompt_tokens
             out.hit += metrics.cached_tokens
+            out.hits[h.rid] = metrics.cached_tokens
             out.outputs[h.rid] = list(h.result.output_ids)
             inflight[replica] -= 1
             routers[k].done(replica)
@@ -213,12 +258,15 @@ def run(policy: str, scenario: str, model, tokenizer, jobs: list[Job], args) -> 
     subs = [r.subscriber for r in routers if isinstance(r, PreciseRouter)]
     if subs:
         totals = [s.totals() for s in subs]
+        out.feed_totals = {name: sum(getattr(t, name) for t in totals) for name in vars(totals[0])}
         out.feed = (f"batches {sum(t.batches for t in totals)}, restarts "
                     f"{sum(t.restarts for t in totals)}, late starts "
                     f"{sum(t.late_starts for t in totals)}, gaps {sum(t.gaps for t in totals)}, "
                     f"bad {sum(t.bad_batches + t.bad_events for t in totals)}")
         for s in subs:
             s.close()
+    for router in routers:
+        out.reasons.update(d.reason for d in router.decisions)
     for r in replicas:
         r.close()
     return out
@@ -239,6 +287,41 @@ def report(scenario: str, outcomes: list[Outcome]) -> None:
     for o in outcomes:
         if o.feed:
             print(f"  {o.policy} feed: {o.feed}")
+
+
+def outcome_json(o: Outcome, base: dict[str, list[int]]) -> dict:
+    """One policy's row of the JSON table (see the module docstring)."""
+    waits = sorted(o.waits)
+    return {"prompt_tokens": o.prompt, "hit_tokens": o.hit, "computed": o.computed,
+            "hit_rate": round(o.hit / o.prompt, 4),
+            "ttft_mean": round(statistics.mean(o.waits), 2),
+            "ttft_p90": waits[int(0.9 * (len(waits) - 1))],
+            "spread": round(statistics.mean(o.spreads), 3),
+            "outputs_equal": sum(o.outputs[rid] == base[rid] for rid in base),
+            "requests": len(base), "reasons": dict(sorted(o.reasons.items())),
+            "feed": o.feed_totals}
+
+
+def table_json(results: dict[str, list[Outcome]], jobs: list[Job], args,
+               staleness: dict | None = None) -> dict:
+    """The whole table as the JSON the module docstring describes."""
+    return {
+        "schema": 1,
+        "command": "python " + " ".join(["benchmarks/kv_routing.py", *sys.argv[1:]]),
+        "settings": {"model": "tiny" if args.tiny else "default", "replicas": args.replicas,
+                     "capacity": args.capacity, "page": args.page, "requests": len(jobs),
+                     "tenants": args.tenants,
+                     "prompt_tokens": [min(len(j.ids) for j in jobs),
+                                       max(len(j.ids) for j in jobs)],
+                     "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
+                     "balance_abs": args.balance_abs, "balance_rel": args.balance_rel,
+                     "cache_threshold": args.cache_threshold, "seed": args.seed},
+        "policies": list(POLICIES),
+        "workloads": {scenario: {o.policy: outcome_json(o, outcomes[0].outputs)
+                                 for o in outcomes}
+                      for scenario, outcomes in results.items()},
+        "staleness": staleness,
+    }
 
 
 def vllm_check(tokenizer, jobs: list[Job]) -> None:
@@ -301,6 +384,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache-threshold", type=float, default=0.3,
+                    help="cache_threshold (sglang-router's default 0.3)")
+    ap.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
     ap.add_argument("--balance-abs", type=int, default=64,
                     help="balance_abs_threshold (sglang-router's default 64)")
     ap.add_argument("--balance-rel", type=float, default=1.5,
@@ -329,13 +415,20 @@ def main() -> None:
           f"{min(len(j.ids) for j in jobs)}-{max(len(j.ids) for j in jobs)} tokens; "
           f"concurrency {args.concurrency}; balance thresholds {args.balance_abs}, "
           f"{args.balance_rel}; TTFT in prefill tokens")
+    results: dict[str, list[Outcome]] = {}
     for scenario in args.scenarios:
         start = time.perf_counter()
         outcomes = [run(p, scenario, model, tokenizer, jobs, args) for p in POLICIES]
+        results[scenario] = outcomes
         report(scenario, outcomes)
         if args.check:
             check(scenario, {o.policy: o for o in outcomes})
         print(f"  ({time.perf_counter() - start:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table_json(results, jobs, args), f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

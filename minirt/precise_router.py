@@ -24,14 +24,41 @@ vLLM 0.32's format and transport), and the router keeps
 
   Batches or events that cannot be read, events for another medium (``"CPU"``) or block
   size, and removals of hashes the index does not hold are counted and ignored.
+* ``StoreHistory``: block hash -> the replica that most recently stored it, kept after
+  the block is removed (bounded, oldest first out): where a prefix lived, learned from
+  the same ``BlockStored`` events. ``BlockIndex.stored`` records into it.
 * ``PreciseRouter``: the request's block hashes (``kv_events.vllm_block_hashes`` at the
   replicas' block size, over the prompt but its last token, as vLLM caps a hit), the
   longest leading run of them each replica holds, and chapter 09a's rule with the run
   in place of the tree's match: loads imbalanced -> least loaded; else matched tokens /
   prompt tokens above ``cache_threshold`` -> the replica with the longest run (ties: least
-  loaded, then lowest index); else least loaded. Only the knowledge differs.
+  loaded, then lowest index); else (``affinity``, on by default) the replica that last
+  stored the deepest of the request's blocks any replica ever stored, if healthy
+  (reason ``"affinity"``); else least loaded (``"low_match"``).
 * ``OracleRouter``: the same rule reading each replica's cache directly
-  (``peek_prefix_len``), the upper bound no deployed router has.
+  (``peek_prefix_len``), with the same history fed the caches' stored events
+  (``observe``): the upper bound no deployed router has.
+
+Why the affinity step (a choice of this book, not of the routers it follows). Chapter
+09a's tree remembers where it sent a tenant's text long after the replica evicted it, so
+a tenant whose prefix is gone keeps going back to the same replica and displaces its own
+or that replica's cold blocks there. A router that knows only what is held now sends such
+a request to the least-loaded replica, where its prefix displaces another tenant's: under
+memory pressure every tenant drifts over every replica, each prefix is cached in more
+places, and fewer tenants fit. The production routers that read events do not remember
+either: NVIDIA Dynamo's default selector prices each worker as prefill blocks left after
+its cached overlap plus decode blocks (ai-dynamo/dynamo
+``lib/kv-router/src/scheduling/selector/default.rs``: ``worker_logit``), so with no
+overlap anywhere it is load alone, ties broken at random (``minimum_cost_index``); llm-d
+weighs its ``precise-prefix-cache-scorer`` against load scorers and, for a request no pod
+holds, its ``no-hit-lru-scorer`` prefers the pod least recently given a cold request, "to
+evenly distribute cache growth" (llm-d/llm-d-inference-scheduler
+``pkg/epp/framework/plugins/scheduling/scorer/nohitlru/README.md``). SGLang's router, on
+a match at or below ``cache_threshold``, takes the least-loaded worker (sglang-router
+0.3.2 ``src/policies/cache_aware.rs: CacheAwarePolicy::select_worker``, although its
+header comment says "smallest tree size"). The history keeps what the events said in the
+past, so the router stays precise: it never credits a replica with a block it does not
+hold, it only breaks a cold decision towards where the prefix last was.
 
 A restart is detected by the sequence number going back; a router that misses every
 batch of a restarted replica until its numbers pass the old ones cannot tell (vLLM's
@@ -40,7 +67,7 @@ batches carry no publisher epoch).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,10 +87,18 @@ from .kv_events import (
     external_block_hash,
     none_hash,
 )
-from .router import DEFAULTS, CacheAwareRouter, Decision, Router, check_int, check_number
+from .router import (
+    DEFAULTS,
+    CacheAwareRouter,
+    Decision,
+    Router,
+    check_int,
+    check_number,
+    register_policy,
+)
 
 __all__ = ["BlockIndex", "EventSource", "FeedStats", "KVEventSubscriber", "OracleRouter",
-           "PreciseRouter", "ReplicaFeed", "request_block_hashes"]
+           "PreciseRouter", "ReplicaFeed", "StoreHistory", "request_block_hashes"]
 
 
 def request_block_hashes(ids: Sequence[int], block_size: int, salt: str | None = None,
@@ -77,15 +112,50 @@ def request_block_hashes(ids: Sequence[int], block_size: int, salt: str | None =
 # ---------------------------------------------------------------- the index
 
 
-class BlockIndex:
-    """Block hash -> {replica: how many blocks with that hash it holds}."""
+class StoreHistory:
+    """Block hash -> the replica that most recently stored it, kept after removal.
 
-    def __init__(self, num_replicas: int) -> None:
+    ``capacity``: hashes remembered (0: none); past it the least recently stored go
+    first. ``home(hashes)``: the replica that last stored the deepest of ``hashes`` it
+    remembers (None: none remembered).
+    """
+
+    def __init__(self, capacity: int = 1 << 20) -> None:
+        check_int("capacity", capacity, 0)
+        self.capacity = capacity
+        self._last: OrderedDict[int | bytes, int] = OrderedDict()
+
+    def stored(self, replica: int, hashes: Sequence[int | bytes]) -> None:
+        if not self.capacity:
+            return
+        for h in hashes:
+            self._last[h] = replica
+            self._last.move_to_end(h)
+        while len(self._last) > self.capacity:
+            self._last.popitem(last=False)
+
+    def home(self, hashes: Sequence[int | bytes]) -> int | None:
+        for h in reversed(hashes):
+            replica = self._last.get(h)
+            if replica is not None:
+                return replica
+        return None
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+
+class BlockIndex:
+    """Block hash -> {replica: how many blocks with that hash it holds}; ``history``: a
+    ``StoreHistory`` of ``history_size`` hashes, fed by ``stored``."""
+
+    def __init__(self, num_replicas: int, history_size: int = 1 << 20) -> None:
         check_int("num_replicas", num_replicas, 1)
         self.num_replicas = num_replicas
         self._where: dict[int | bytes, Counter[int]] = {}
         self._held: list[Counter[int | bytes]] = [Counter() for _ in range(num_replicas)]
         self.unknown_removals = 0
+        self.history = StoreHistory(history_size)
 
     def _check(self, replica: int) -> None:
         if isinstance(replica, bool) or not isinstance(replica, int) \
@@ -98,6 +168,7 @@ class BlockIndex:
         for h in hashes:
             self._held[replica][h] += 1
             self._where.setdefault(h, Counter())[replica] += 1
+        self.history.stored(replica, hashes)
 
     def removed(self, replica: int, hashes: Sequence[int | bytes]) -> None:
         """Drop one block per hash; a hash the replica does not hold is counted, ignored."""
@@ -400,15 +471,31 @@ class _RuleRouter(Router):
 
     def __init__(self, num_replicas: int, tokenize: Callable[[str], Sequence[int]] | None,
                  cache_threshold: float, balance_abs_threshold: int,
-                 balance_rel_threshold: float) -> None:
+                 balance_rel_threshold: float, affinity: bool) -> None:
         super().__init__(num_replicas)
         check_number("cache_threshold", cache_threshold, 0.0, 1.0)
         check_int("balance_abs_threshold", balance_abs_threshold, 0)
         check_number("balance_rel_threshold", balance_rel_threshold, 1.0)
+        if not isinstance(affinity, bool):
+            raise RouterError(f"affinity must be a bool, got {affinity!r}")
         self.tokenize = tokenize
         self.cache_threshold = float(cache_threshold)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = float(balance_rel_threshold)
+        self.affinity = affinity
+        self.history: StoreHistory = StoreHistory()
+        self.salt: str | None = None
+        self._memo: tuple[tuple[int, ...], list[int]] | None = None
+
+    def block_size_of(self) -> int:
+        raise NotImplementedError
+
+    def hashes(self, ids: list[int]) -> list[int]:
+        """The request's block hashes (over ``ids`` but the last token), memoized."""
+        key = tuple(ids)
+        if self._memo is None or self._memo[0] != key:
+            self._memo = (key, request_block_hashes(ids[:-1], self.block_size_of(), self.salt))
+        return self._memo[1]
 
     def matched(self, ids: list[int]) -> list[int]:
         """Prompt tokens each replica holds at the start of ``ids``."""
@@ -442,6 +529,10 @@ class _RuleRouter(Router):
             replica = min((i for i in healthy if matched[i] == best),
                           key=lambda i: (self.loads[i], i))
             return Decision(replica, "cache_hit", loads, rate)
+        if self.affinity:
+            home = self.history.home(self.hashes(ids))
+            if home is not None and self.healthy[home]:
+                return Decision(home, "affinity", loads, rate)
         return Decision(self._least_loaded(), "low_match", loads, rate)
 
 
@@ -457,9 +548,10 @@ class PreciseRouter(_RuleRouter):
                  subscriber: KVEventSubscriber | None = None, salt: str | None = None,
                  cache_threshold: float = DEFAULTS["cache_threshold"],
                  balance_abs_threshold: int = DEFAULTS["balance_abs_threshold"],
-                 balance_rel_threshold: float = DEFAULTS["balance_rel_threshold"]) -> None:
+                 balance_rel_threshold: float = DEFAULTS["balance_rel_threshold"],
+                 affinity: bool = True) -> None:
         super().__init__(num_replicas, tokenize, cache_threshold, balance_abs_threshold,
-                         balance_rel_threshold)
+                         balance_rel_threshold, affinity)
         check_int("block_size", block_size, 1)
         self.block_size, self.salt = block_size, salt
         self.subscriber = subscriber
@@ -467,30 +559,53 @@ class PreciseRouter(_RuleRouter):
         if self.index.num_replicas != num_replicas:
             raise RouterError(f"the index covers {self.index.num_replicas} replicas, "
                               f"the router {num_replicas}")
+        self.history = self.index.history
+
+    def block_size_of(self) -> int:
+        return self.block_size
 
     def matched(self, ids: list[int]) -> list[int]:
         if self.subscriber is not None:
             self.subscriber.poll(0)
-        hashes = request_block_hashes(ids[:-1], self.block_size, self.salt)
-        return [run * self.block_size for run in self.index.match(hashes)]
+        return [run * self.block_size for run in self.index.match(self.hashes(ids))]
 
 
 class OracleRouter(_RuleRouter):
-    """The same rule reading each replica's cache (``caches[i].peek_prefix_len``)."""
+    """The same rule reading each replica's cache (``caches[i].peek_prefix_len``); its
+    ``history`` is fed by ``observe(replica, events)`` with each cache's own events
+    (what a replica stored in the past is in no cache)."""
 
     name = "oracle"
 
     def __init__(self, caches: Sequence[Any], *,
                  tokenize: Callable[[str], Sequence[int]] | None = None,
+                 salt: str | None = None,
                  cache_threshold: float = DEFAULTS["cache_threshold"],
                  balance_abs_threshold: int = DEFAULTS["balance_abs_threshold"],
-                 balance_rel_threshold: float = DEFAULTS["balance_rel_threshold"]) -> None:
+                 balance_rel_threshold: float = DEFAULTS["balance_rel_threshold"],
+                 affinity: bool = True, history_size: int = 1 << 20) -> None:
         super().__init__(len(caches), tokenize, cache_threshold, balance_abs_threshold,
-                         balance_rel_threshold)
+                         balance_rel_threshold, affinity)
         self.caches = list(caches)
+        self.salt = salt
+        self.history = StoreHistory(history_size)
+
+    def block_size_of(self) -> int:
+        cache = self.caches[0]
+        return getattr(cache, "page_size", None) or cache.block_size
+
+    def observe(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
+        """Record where ``events`` (one cache's, in order) stored blocks."""
+        self._check_replica(replica)
+        for event in events:
+            if isinstance(event, BlockStored):
+                self.history.stored(replica, event.block_hashes)
 
     def matched(self, ids: list[int]) -> list[int]:
         import torch
 
         prompt = torch.tensor(ids[:-1], dtype=torch.int64)
         return [cache.peek_prefix_len(prompt) for cache in self.caches]
+
+
+register_policy("precise", PreciseRouter)  # router.make_router("precise", n, block_size=...)

@@ -72,6 +72,7 @@ __all__ = [
     "TreeMatch",
     "check_int",
     "make_router",
+    "register_policy",
 ]
 
 # The defaults of sglang-router 0.3.2 (RouterArgs in src/sglang_router/router_args.py).
@@ -546,14 +547,34 @@ _ROUTERS: dict[str, type[Router]] = {
 
 
 def make_router(policy: str, num_replicas: int, **settings: Any) -> Router:
-    """A router by policy name (one of ``ROUTING_POLICIES``) with its settings."""
-    if policy not in _ROUTERS:
+    """A router by policy name (one of ``ROUTING_POLICIES``, or one another module added
+    with ``register_policy``: importing ``minirt.precise_router`` adds ``"precise"``) with
+    its settings."""
+    factory = _ROUTERS.get(policy) or _REGISTERED.get(policy)
+    if factory is None:
         raise RouterError(f"unknown routing policy {policy!r}; choose one of "
-                          f"{', '.join(ROUTING_POLICIES)}")
+                          f"{', '.join([*ROUTING_POLICIES, *_REGISTERED])}")
     try:
-        return _ROUTERS[policy](num_replicas, **settings)
+        return factory(num_replicas, **settings)
     except TypeError as exc:
         raise RouterError(f"bad settings for {policy!r}: {exc}") from exc
+
+
+# Policies of modules that build on this one (which therefore cannot be imported here).
+_REGISTERED: dict[str, Any] = {}
+
+
+def register_policy(name: str, factory: Any) -> None:
+    """Let ``make_router(name, n, **settings)`` build ``factory(n, **settings)``; a name
+    already taken by a different factory is refused."""
+    if not isinstance(name, str) or not name:
+        raise RouterError(f"a policy name must be a non-empty str, got {name!r}")
+    taken = _ROUTERS.get(name) or _REGISTERED.get(name)
+    if taken is not None and taken is not factory:
+        raise RouterError(f"routing policy {name!r} is taken by {taken!r}")
+    if not callable(factory):
+        raise RouterError(f"the factory of {name!r} must be callable, got {factory!r}")
+    _REGISTERED[name] = factory
 
 
 def check_int(name: str, value: Any, low: int | None = None) -> None:

@@ -33,6 +33,7 @@ from minirt.precise_router import (
     KVEventSubscriber,
     OracleRouter,
     PreciseRouter,
+    StoreHistory,
     request_block_hashes,
 )
 
@@ -363,11 +364,60 @@ def test_precise_and_oracle_agree_when_the_index_is_exact():
         if step % 7 == 6:
             caches[a].evict(min(12, caches[a].evictable_size))
         for r, cache in enumerate(caches):
-            for event in cache.take_events():
+            events = cache.take_events()
+            oracle.observe(r, events)
+            for event in events:
                 sub.apply_event(r, event)
         precise.done(a)
         oracle.done(b)
-    assert {d.reason for d in precise.decisions} >= {"cache_hit", "low_match"}
+    assert {d.reason for d in precise.decisions} >= {"cache_hit", "low_match", "affinity"}
+    assert [d.reason for d in precise.decisions] == [d.reason for d in oracle.decisions]
+
+
+def test_store_history_keeps_the_last_holder_of_the_deepest_block():
+    history = StoreHistory(capacity=4)
+    history.stored(0, [1, 2, 3])
+    history.stored(1, [1, 2])
+    assert history.home([1, 2, 3, 9]) == 0  # 3 is the deepest remembered: replica 0
+    assert history.home([1, 2, 9]) == 1     # 2 was stored last by replica 1
+    assert history.home([9]) is None and history.home([]) is None
+    history.stored(2, [5, 6])               # 5 entries > 4: the least recently stored (3) go
+    assert len(history) == 4 and history.home([1, 2, 3]) == 1
+    off = StoreHistory(capacity=0)
+    off.stored(0, [1])
+    assert off.home([1]) is None and len(off) == 0
+    with pytest.raises(RouterError, match="capacity"):
+        StoreHistory(capacity=-1)
+
+
+def test_a_prefix_gone_everywhere_goes_back_where_it_was_last_stored():
+    prompt = list(range(100, 133))
+    hashes = request_block_hashes(prompt[:-1], 4)
+    for affinity in (True, False):
+        router = PreciseRouter(3, 4, affinity=affinity, balance_abs_threshold=2)
+        router.index.stored(2, hashes[:6])
+        router.index.removed(2, hashes[:6])  # evicted: nothing held anywhere
+        assert router.index.match(hashes) == [0, 0, 0] and len(router.index) == 0
+        router.loads = [0, 1, 1]
+        chosen = router.route_ids(prompt)
+        reason = router.decisions[-1].reason
+        assert (chosen, reason) == ((2, "affinity") if affinity else (0, "low_match"))
+    router = PreciseRouter(3, 4, balance_abs_threshold=2)
+    router.index.stored(1, hashes[:2])
+    router.index.stored(2, hashes[:1])  # replica 2 stored the first block last, 1 the deeper
+    router.index.clear(1)
+    router.index.clear(2)
+    assert router.route_ids(prompt) == 1 and router.decisions[-1].reason == "affinity"
+    router.loads = [0, 4, 0]  # imbalanced comes first, as in chapter 09a
+    assert router.route_ids(prompt) == 0 and router.decisions[-1].reason == "imbalanced"
+    router.loads = [0, 0, 0]
+    router.set_healthy(1, False)  # an unhealthy home: least loaded
+    assert router.route_ids(prompt) == 0 and router.decisions[-1].reason == "low_match"
+    router.set_healthy(1, True)
+    router.index.stored(0, hashes[:6])  # held again: the cache hit wins over the history
+    assert router.route_ids(prompt) == 0 and router.decisions[-1].reason == "cache_hit"
+    with pytest.raises(RouterError, match="affinity"):
+        PreciseRouter(3, 4, affinity=1)
 
 
 def test_router_arguments_and_text():
@@ -387,3 +437,25 @@ def test_router_arguments_and_text():
     words = PreciseRouter(2, 1, tokenize=lambda text: [ord(c) for c in text])
     words.index.stored(1, request_block_hashes([ord(c) for c in "hello"], 1))
     assert words.route("hello!") == 1
+
+
+def test_make_router_builds_the_precise_router():
+    from minirt.router import make_router, register_policy
+
+    router = make_router("precise", 3, block_size=4, affinity=False)
+    assert isinstance(router, PreciseRouter) and router.block_size == 4
+    assert not router.affinity and router.num_replicas == 3
+    with pytest.raises(RouterError, match="bad settings for 'precise'"):
+        make_router("precise", 3)  # no block size
+    with pytest.raises(RouterError, match="unknown routing policy 'nope'.*precise"):
+        make_router("nope", 2)
+    with pytest.raises(RouterError, match="taken"):
+        register_policy("precise", OracleRouter)
+    with pytest.raises(RouterError, match="taken"):
+        register_policy("round_robin", PreciseRouter)
+    with pytest.raises(RouterError, match="callable"):
+        register_policy("other", 3)
+    with pytest.raises(RouterError, match="non-empty str"):
+        register_policy("", PreciseRouter)
+    register_policy("precise", PreciseRouter)  # the same factory again changes nothing
+    assert isinstance(make_router("precise", 2, block_size=1), PreciseRouter)
