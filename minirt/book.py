@@ -42,7 +42,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
         "kv_events", "kv_event_caches", "precise_router"),
     11: ("hybrid", "window_lifecycle", "state"),
     12: ("hitcheck",),
-    13: ("speculative", "eagle_blocks"),  # Engine(speculative=...); EAGLE block keys
+    13: ("speculative", "draft_proposer", "eagle_blocks"),  # speculation; EAGLE block keys
 }
 
 

@@ -35,7 +35,9 @@ Drafts are proposed at the end of a step, for the next, as vLLM's model runner p
 them right after sampling (vllm 0.32.0 `v1/worker/gpu_model_runner.py: GPUModelRunner.sample_tokens`
 calls vllm 0.32.0 `v1/worker/gpu_model_runner.py: GPUModelRunner.propose_draft_token_ids`);
 a request cancelled in between holds no slot for them. Requests with no drafts in a step
-decode as usual, over the working set, in the same pass. ``Speculator``
+decode as usual, over the working set, in the same pass. A draft model can propose instead
+of prompt lookup (``method="draft_model"``, ``minirt.draft_proposer``: the target model
+itself by default, as a self-check). ``Speculator``
 ties it to a ``lifecycle.Lifecycle``; ``Engine(speculative=...)`` runs it.
 """
 
@@ -48,28 +50,35 @@ from functools import partial
 
 import torch
 
+from .draft_proposer import DraftModelProposer, check_draft_model
 from .errors import ModelError, OutOfMemoryError, RequestError
 from .forward import forward_verify
 from .lifecycle import Lifecycle, Request, greedy_token
 from .llama import is_llama
 from .pool import PageTable
 
-__all__ = ["NgramProposer", "SpeculativeConfig", "Speculator", "SpecStats", "accept_greedy",
-           "check_speculative", "rejection_sample", "target_probs"]
+__all__ = ["METHODS", "NgramProposer", "SpeculativeConfig", "Speculator", "SpecStats",
+           "accept_greedy", "check_speculative", "rejection_sample", "target_probs"]
+
+
+METHODS = ("ngram", "draft_model")  # vLLM's names for the two proposers minirt builds
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How a request speculates. ``method``: "ngram" (prompt lookup, the only one built);
-    ``num_speculative_tokens``: the draft length k; an n-gram of ``prompt_lookup_min`` to
-    ``prompt_lookup_max`` tokens is looked up (vLLM's names; its defaults are 5 and 5 when
-    neither is given, vllm 0.32.0 `config/speculative.py: SpeculativeConfig.__post_init__`;
-    minirt's are shorter, for the book's short prompts)."""
+    """How a request speculates. ``method``: "ngram" (prompt lookup) or "draft_model" (a
+    draft model, ``minirt.draft_proposer``); ``num_speculative_tokens``: the draft length k;
+    an n-gram of ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens is looked up (vLLM's
+    names; its defaults are 5 and 5 when neither is given, vllm 0.32.0
+    `config/speculative.py: SpeculativeConfig.__post_init__`; minirt's are shorter, for the
+    book's short prompts). ``model``: the draft model for "draft_model", None for the
+    target model itself (a self-check: the book's model is the smallest of its family)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: object = None
 
 
 def check_speculative(value, model=None, cache: str | None = None) -> SpeculativeConfig | None:
@@ -89,9 +98,12 @@ def check_speculative(value, model=None, cache: str | None = None) -> Speculativ
     if not isinstance(value, SpeculativeConfig):
         raise RequestError(f"speculative must be None, a SpeculativeConfig or a dict, got "
                            f"{type(value).__name__}")
-    if value.method != "ngram":
+    if value.method not in METHODS:
         raise RequestError(f"speculative method {value.method!r} is not built: minirt "
-                           "proposes prompt-lookup drafts only (method='ngram')")
+                           f"proposes with {' or '.join(map(repr, METHODS))}")
+    if value.method == "ngram" and value.model is not None:
+        raise RequestError("speculative model is the draft model of method='draft_model'; "
+                           "method='ngram' proposes from the request's own tokens")
     for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
         v = getattr(value, name)
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
@@ -102,6 +114,8 @@ def check_speculative(value, model=None, cache: str | None = None) -> Speculativ
     if model is not None and not is_llama(model):
         raise ModelError(f"speculative decoding verifies drafts through minirt's Llama forward "
                          f"(forward_verify); {type(model).__name__} is not one")
+    if value.method == "draft_model":
+        check_draft_model(value.model, model)
     if cache == "window":
         raise ModelError("speculative decoding runs on the radix or hash cache; the window "
                          "cache's forward (forward_windowed) has no verify step")
@@ -120,9 +134,10 @@ class NgramProposer:
     min_n: int
     max_n: int
 
-    def propose(self, tokens: torch.Tensor | Sequence[int], limit: int | None = None
-                ) -> list[int]:
-        """Drafts for what follows ``tokens`` (at most ``limit``, default ``k``; may be [])."""
+    def propose(self, tokens: torch.Tensor | Sequence[int], limit: int | None = None,
+                owner: object | None = None) -> list[int]:
+        """Drafts for what follows ``tokens`` (at most ``limit``, default ``k``; may be []);
+        ``owner`` is ignored (a draft model keeps its K/V per owner)."""
         t = torch.as_tensor(tokens, dtype=torch.int64).flatten()
         k, n_tok = self.k if limit is None else min(self.k, limit), int(t.numel())
         if k <= 0:
@@ -229,8 +244,13 @@ class Speculator:
 
     def __init__(self, lifecycle: Lifecycle, config: SpeculativeConfig) -> None:
         self.lifecycle, self.config = lifecycle, config
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        self.proposer: NgramProposer | DraftModelProposer
+        if config.method == "draft_model":
+            self.proposer = DraftModelProposer(config.model or lifecycle.model,
+                                               config.num_speculative_tokens)
+        else:
+            self.proposer = NgramProposer(config.num_speculative_tokens,
+                                          config.prompt_lookup_min, config.prompt_lookup_max)
         self.drafts: dict[str, tuple[Request, list[int]]] = {}  # rid -> (request, drafts)
         self._sampling: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.stats = SpecStats()
@@ -252,13 +272,21 @@ class Speculator:
         """Drafts for each running, prefilled, unfinished request of ``reqs``, for its next
         step; at most what its ``max_new_tokens`` leaves after that step's own token."""
         live = set(map(id, self.lifecycle.running))
-        self.drafts = {rid: e for rid, e in self.drafts.items() if id(e[0]) in live}
+        release = getattr(self.proposer, "release", None)
+        for rid, (r, _) in list(self.drafts.items()):
+            if id(r) not in live:
+                del self.drafts[rid]
+                if release is not None:
+                    release(r)
         for r in reqs:
             if r.state == "running" and r.output and not r.done and self.speculates(r):
-                d = self.proposer.propose(r.tokens, r.max_new_tokens - len(r.output) - 1)
+                left = r.max_new_tokens - len(r.output) - 1
+                d = self.proposer.propose(r.tokens, left, owner=r)
                 self.drafts[r.rid] = (r, d)
             else:
                 self.drafts.pop(r.rid, None)
+                if release is not None:
+                    release(r)
 
     def draft_for(self, req: Request) -> list[int]:
         """The drafts waiting for ``req``'s next verify ([] if none)."""

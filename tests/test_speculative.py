@@ -281,7 +281,7 @@ class _WrongDrafts:
     def __init__(self, k: int, vocab: int) -> None:
         self.k, self.vocab, self.gen = k, vocab, torch.Generator().manual_seed(0)
 
-    def propose(self, tokens, limit=None):
+    def propose(self, tokens, limit=None, owner=None):
         n = self.k if limit is None else min(self.k, limit)
         return torch.randint(0, self.vocab, (max(n, 0),), generator=self.gen).tolist()
 
