@@ -97,8 +97,9 @@ def test_a_text_reply_gets_the_ids_its_text_gets_in_the_history(tok):
 
 
 def test_bounds_agree_with_brute_force_on_random_id_prompts(tok):
-    """bound = longest common prefix with any earlier prompt; paged = bound rounded down to
-    pages; the replay at a capacity holding everything hits the paged bound exactly."""
+    """bound = longest common prefix with any earlier prompt; paged = the bound short of
+    the prompt's last token (a server computes it, for its logits), rounded down to pages;
+    the replay at a capacity holding everything hits the paged bound exactly."""
     rng = random.Random(5)
     stems = [[rng.randrange(50, 500) for _ in range(rng.randrange(1, 30))] for _ in range(4)]
     prompts = [rng.choice(stems)[: rng.randrange(1, 30)] + [rng.randrange(50, 500)
@@ -114,7 +115,8 @@ def test_bounds_agree_with_brute_force_on_random_id_prompts(tok):
 
     for i, (p, r) in enumerate(zip(prompts, report.requests, strict=True)):
         best = max((lcp(p, q) for q in prompts[:i]), default=0)
-        assert (r.shared, r.bound, r.paged, r.hit) == (best, best, best // 4 * 4, best // 4 * 4)
+        served = min(best, len(p) - 1) // 4 * 4
+        assert (r.shared, r.bound, r.paged, r.hit) == (best, best, served, served)
     assert report.bound_tokens == sum(r.bound for r in report.requests)
     assert report.prompt_tokens == sum(map(len, prompts))
     assert report.unique_tokens == report.prompt_tokens - report.bound_tokens
@@ -154,7 +156,7 @@ def test_the_bound_under_isolation_keys_agrees_with_brute_force(tok):
         earlier = [(p["prompt"] + p.get("reply", []), key(p)) for p in objs[:i]]
         assert r.shared == max((lcp(o["prompt"], c) for c, _ in earlier), default=0)
         want = max((lcp(o["prompt"], c) for c, k in earlier if k == key(o)), default=0)
-        assert (r.bound, r.hit) == (want, want), i
+        assert (r.bound, r.hit) == (want, min(want, len(o["prompt"]) - 1)), i
         assert (ISOLATION in r.causes) == (r.shared > r.bound)
 
 
@@ -261,13 +263,15 @@ def test_retokenization_of_the_reply(tok):
 
 
 def test_block_granularity_and_prompts_shorter_than_a_block(tok):
+    """A repeated prompt of 20 ids can hit 19 (the last is computed): 16 at page 16, 3 lost
+    below the boundary; a repeated 3-id prompt can hit 2, none at page 16."""
     report = run(tok, {"prompt": list(range(100, 120))}, {"prompt": list(range(100, 120))},
                  {"prompt": [7, 8, 9]}, {"prompt": [7, 8, 9]}, page_size=16)
     long_, short = report.requests[1], report.requests[3]
-    assert long_.causes == (HIT, BLOCK) and long_.lost == {BLOCK: 4}
-    assert (long_.bound, long_.paged) == (20, 16)
-    assert short.causes == (HIT, BLOCK) and short.paged == 0 and short.lost == {BLOCK: 3}
-    assert report.cause_tokens[BLOCK] == 7
+    assert long_.causes == (HIT, BLOCK) and long_.lost == {BLOCK: 3}
+    assert (long_.shared, long_.bound, long_.paged) == (20, 20, 16)
+    assert short.causes == (HIT, BLOCK) and short.paged == 0 and short.lost == {BLOCK: 2}
+    assert report.cause_tokens[BLOCK] == 5
 
 
 @pytest.mark.parametrize("field, a, b", [("cache_salt", "alice", "bob"),
@@ -283,6 +287,7 @@ def test_isolation_keys(tok, field, a, b):
     assert second.bound == 0 and second.lost[ISOLATION] == second.prompt_tokens
     assert "isolation key differs" in second.divergence.detail
     assert third.causes == (HIT,) and third.bound == third.prompt_tokens
+    assert third.paged == third.prompt_tokens - 1  # the last token is computed, no loss
 
 
 def test_capacity_evicts_before_reuse(tok):
@@ -293,10 +298,44 @@ def test_capacity_evicts_before_reuse(tok):
     objs = [{"prompt": p} for p in prompts] + [{"prompt": prompts[0]}]
     small = run(tok, *objs, capacity=100)
     assert small.requests[-1].causes == (HIT, CAPACITY)
-    assert small.requests[-1].hit == 0 and small.requests[-1].lost == {CAPACITY: 50}
+    assert small.requests[-1].hit == 0 and small.requests[-1].lost == {CAPACITY: 49}
     big = run(tok, *objs, capacity=10_000)
-    assert big.requests[-1].causes == (HIT,) and big.requests[-1].hit == 50
+    assert big.requests[-1].causes == (HIT,) and big.requests[-1].hit == 49  # all but the last
     assert big.hit_rate > small.hit_rate == 0
+
+
+@pytest.mark.parametrize("policy, config, kept", [
+    ("lru", None, False), ("fifo", None, False), ("lfu", None, True), ("slru", None, True),
+    ("slru", {"protected_threshold": 3}, False),
+    ("tlru", {"threshold": 40, "next_prompt_estimate": 10}, False)])
+def test_the_capacity_replay_evicts_by_each_of_sglangs_policies(tok, policy, config, kept):
+    """A prompt used twice, then two others through a cache that holds two: LRU and FIFO
+    evict the reused prompt before it comes back; LFU and SLRU (its reuse protected it)
+    keep it; an SLRU that protects only from a third use does not."""
+    rng = random.Random(0)
+    p = [[rng.randrange(100, 40000) for _ in range(50)] for _ in range(3)]
+    objs = [{"prompt": q} for q in (p[0], p[0], p[1], p[2], p[0])]
+    report = run(tok, *objs, capacity=120, policy=policy, policy_config=config)
+    assert [r.hit for r in report.requests] == [0, 49, 0, 0, 49 if kept else 0]
+    assert report.policy == policy
+
+
+def test_a_policy_without_its_settings_is_refused_before_anything_is_read(tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    assert main([str(log), "--capacity", "64", "--policy", "tlru"]) == 2
+    assert "--policy-config" in capsys.readouterr().err
+    assert main([str(log), "--capacity", "64", "--policy", "slru",
+                 "--policy-config", '{"threshold": 4}']) == 2
+    assert "unknown setting 'threshold'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(log), "--policy", "tlru", "--policy-config", "[1]"])
+    assert "a JSON object of settings" in capsys.readouterr().err
+    with pytest.raises(HitcheckInputError, match="unknown policy"):
+        analyze(load_requests(lines({"prompt": "hi"})), None, policy="mru")
+    assert main([str(log), "--capacity", "64", "--policy", "tlru", "--policy-config",
+                 '{"threshold": 40, "next_prompt_estimate": 10}', "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["policy"] == "tlru"
 
 
 # ------------------------------------------------------------------ bad input

@@ -1,7 +1,8 @@
 """hitcheck: why is my prefix-cache hit rate low? A tool to run on your own request log.
 
     python -m minirt.hitcheck requests.jsonl [--tokenizer NAME] [--page-size N]
-        [--capacity N] [--policy lru] [--json] [--plot FILE] [--base-url URL]
+        [--capacity N] [--policy lru] [--policy-config JSON] [--json] [--plot FILE]
+        [--base-url URL]
 
 It renders each logged request through the tokenizer's chat template, builds the radix
 tree of the prompts (no model, no K/V), and reports the hit rate a cache could reach

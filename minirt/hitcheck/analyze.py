@@ -13,12 +13,18 @@ ids themselves (no K/V):
   ``cache_salt``, the longest match is the *bound* at unlimited capacity and page size 1:
   each node records the keys of the sequences that passed through it, and the bound ends
   at the deepest node on the match's path that a sequence with this key passed whole;
-  rounded down to whole pages, it is the bound at ``page_size``.
+  rounded down to whole pages, it is the bound at ``page_size`` (``paged``). ``paged`` and the
+  capacity replay stop one token short of the whole prompt, as every server's lookup does:
+  the last prompt token is always computed, for its logits (vllm 0.32.0
+  `v1/core/kv_cache_manager.py: KVCacheManager.get_computed_blocks`; sglang 0.5.23
+  `srt/managers/schedule_batch.py: Req._compute_max_prefix_len`; minirt matches
+  ``prompt[:-1]``). That token is no loss a log can avoid, so no cause counts it.
 
 With ``capacity``, a second ``RadixCache`` of that many tokens, at ``page_size``, evicting
-by ``policy`` and keyed by salt, replays the log as a server would (match, lock, evict,
+by ``policy`` (any of ``minirt.eviction.POLICIES``, with SGLang's settings in
+``policy_config``) and keyed by salt, replays the log as a server would (match, lock, evict,
 insert, unlock) and counts the tokens it actually hits. The losses between the four
-numbers are the causes ``ISOLATION`` (shared > bound), ``BLOCK`` (bound > paged) and
+numbers are the causes ``ISOLATION`` (shared > bound), ``BLOCK`` (servable > paged) and
 ``CAPACITY`` (paged > hit); the divergence itself is named by ``classify``.
 
 The analysis streams: a batch of requests is rendered, analysed and dropped, and the
@@ -31,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..cache import RadixCache
+from ..eviction import POLICIES, EvictionPolicy, make_policy_from_config
 from ..radix import RadixNode
 from ..token_ids import TokenIds
 from .causes import (
@@ -307,7 +314,7 @@ def _add_key(node: RadixNode, salt: str | None, keys: dict[RadixNode, set]) -> N
 class _Replay:
     """A capacity-limited cache replaying the log as a server would."""
 
-    def __init__(self, capacity: int, page_size: int, policy: str) -> None:
+    def __init__(self, capacity: int, page_size: int, policy: EvictionPolicy) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise HitcheckInputError(f"capacity must be a positive int, got {capacity!r}",
                                      field="--capacity")
@@ -317,7 +324,7 @@ class _Replay:
 
     def step(self, prompt: TokenIds, cached: TokenIds, salt: str | None) -> int:
         cache = self.cache
-        match = cache.match_prefix(prompt, salt=salt)
+        match = cache.match_prefix(prompt[:-1], salt=salt)  # the last token is computed
         keep = min(len(cached), self.capacity) // self.page * self.page
         cache.lock(match.handle)
         need = keep - match.cached_len
@@ -332,17 +339,24 @@ class _Replay:
         return match.cached_len
 
 
-def _check(page_size: int, policy: str) -> None:
+def _check(page_size: int, policy: str, policy_config: dict | None) -> EvictionPolicy:
+    """Refuse a bad page size or policy before anything is read; return one policy (a
+    stateful policy serves one cache: call again for each)."""
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise HitcheckInputError(f"page size must be a positive int, got {page_size!r}",
                                  field="--page-size")
-    if policy not in ("lru", "lfu", "fifo", "priority"):
-        raise HitcheckInputError(f"unknown policy {policy!r} (lru, lfu, fifo, priority)",
+    if not isinstance(policy, str) or policy.lower() not in POLICIES:
+        raise HitcheckInputError(f"unknown policy {policy!r} ({', '.join(POLICIES)})",
                                  field="--policy")
+    try:
+        return make_policy_from_config(policy, policy_config)
+    except (TypeError, ValueError) as exc:
+        raise HitcheckInputError(f"--policy-config: {exc}", field="--policy-config") from None
 
 
 def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int = 1,
             capacity: int | None = None, policy: str = "lru",
+            policy_config: dict | None = None,
             rendered: Sequence[Rendered] | None = None, batch: int = 2048,
             parallel: bool | None = None) -> Report:
     """Analyse a log (``load_requests``) with ``tokenizer`` (None: the book's model's).
@@ -353,14 +367,14 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
     """
     from .render import load_tokenizer
 
-    _check(page_size, policy)
+    evict_by = _check(page_size, policy, policy_config)
     if tokenizer is None:
         tokenizer = load_tokenizer()
     decoder = _Decoder(tokenizer)
     keyed = len({r.key.salt() for r in requests}) > 1
     open_tree = RadixCache()
     keys: dict[RadixNode, set] = {}  # node -> the isolation keys of the sequences through it
-    replay = _Replay(capacity, page_size, policy) if capacity is not None else None
+    replay = _Replay(capacity, page_size, evict_by) if capacity is not None else None
     last: dict[RadixNode, int] = {}  # node -> latest request whose cached sequence runs through
     latest_in: dict[str, int] = {}  # conversation -> its latest request
     seen: list[_Seen] = []
@@ -383,7 +397,8 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
             salt = request.key.salt()
             bound = _keyed_bound(node, depth, shared, salt, keys) if keyed and shared \
                 else shared
-            paged = bound // page_size * page_size
+            servable = min(bound, len(r.ids) - 1)  # a server computes the last token
+            paged = max(servable, 0) // page_size * page_size
             hit = replay.step(prompt, held, salt) if replay is not None else None
             end = open_tree.insert_prefix(held, held).handle.node
             walk = end
@@ -405,8 +420,8 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
                 causes.append(ISOLATION)
                 if other is not None and other.key != request.key:
                     div.detail += f"; isolation key differs ({request.key.differs(other.key)})"
-            if bound > paged:
-                lost[BLOCK] = bound - paged
+            if servable > paged:
+                lost[BLOCK] = servable - paged
                 causes.append(BLOCK)
             if hit is not None and paged > hit:
                 lost[CAPACITY] = paged - hit
@@ -433,11 +448,13 @@ def analyze(requests: Sequence[LoggedRequest], tokenizer=None, *, page_size: int
 
 def hit_rate_curve(requests: Sequence[LoggedRequest], rendered: Sequence[Rendered],
                    capacities: Sequence[int], *, page_size: int = 1,
-                   policy: str = "lru") -> list[tuple[int, float]]:
+                   policy: str = "lru",
+                   policy_config: dict | None = None) -> list[tuple[int, float]]:
     """``(capacity, hit rate)`` for each capacity: the log replayed through a cache that
     small (at ``page_size``, evicting by ``policy``), all capacities in one pass."""
-    _check(page_size, policy)
-    replays = [_Replay(c, page_size, policy) for c in capacities]
+    _check(page_size, policy, policy_config)
+    replays = [_Replay(c, page_size, _check(page_size, policy, policy_config))
+               for c in capacities]
     total = 0
     for request, r in zip(requests, rendered, strict=True):
         cached = TokenIds(r.cached)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import MinirtError
+from ..eviction import POLICIES
 from .analyze import analyze, hit_rate_curve
 from .live import replay_live
 from .load import load_requests
@@ -41,8 +42,13 @@ def parser() -> argparse.ArgumentParser:
                    help="the server's page or block size in tokens (default 1)")
     p.add_argument("--capacity", type=int, default=None,
                    help="replay through a cache of this many tokens and report its hit rate")
-    p.add_argument("--policy", default="lru", choices=("lru", "lfu", "fifo", "priority"),
-                   help="eviction policy of the capacity replay (default lru)")
+    p.add_argument("--policy", default="lru", choices=sorted(POLICIES),
+                   help="eviction policy of the capacity replay (default lru; SGLang's "
+                        "--radix-eviction-policy names)")
+    p.add_argument("--policy-config", type=_json_object, default=None, metavar="JSON",
+                   help="the policy's settings as SGLang's --radix-eviction-policy-config "
+                        "takes them, e.g. '{\"threshold\": 4096, \"next_prompt_estimate\": "
+                        "512}' for tlru (which has no defaults)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE", default=None,
                    help="save a plot of the hit rate against capacity (matplotlib)")
@@ -57,6 +63,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50,
                    help="requests shown in the table (0: all; default 50)")
     return p
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of settings, got {text!r:.80}")
+    return value
 
 
 def curve_capacities(tree_tokens: int, points: int = 8) -> list[int]:
@@ -74,13 +90,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep = args.plot is not None or args.base_url is not None
         rendered = render_all(requests, tokenizer) if keep else None
         report = analyze(requests, tokenizer, page_size=args.page_size,
-                         capacity=args.capacity, policy=args.policy, rendered=rendered)
+                         capacity=args.capacity, policy=args.policy,
+                         policy_config=args.policy_config, rendered=rendered)
         if args.plot is not None:
             caps = curve_capacities(report.tree_tokens)
             if args.capacity is not None and args.capacity not in caps:
                 caps = sorted([*caps, args.capacity])
             report.curve = hit_rate_curve(requests, rendered, caps,
-                                          page_size=args.page_size, policy=args.policy)
+                                          page_size=args.page_size, policy=args.policy,
+                                          policy_config=args.policy_config)
             plot_curve(report, args.plot)
         if args.base_url is not None:
             report.live = replay_live(requests, rendered, args.base_url,

@@ -46,12 +46,13 @@ class LiveRecord:
 def prompt_bounds(requests: Sequence[LoggedRequest], rendered: Sequence[Rendered],
                   page_size: int = 1) -> list[int]:
     """Each prompt's longest match against the earlier prompts (replies not cached), with
-    isolation keys kept apart, rounded down to whole pages."""
+    isolation keys kept apart, short of the prompt's last token (a server computes it, for
+    its logits), rounded down to whole pages: what a server that kept everything reports."""
     tree = RadixCache()
     out = []
     for request, r in zip(requests, rendered, strict=True):
         salt = request.key.salt()
-        n = tree.peek_prefix_len(r.ids, salt=salt)
+        n = tree.peek_prefix_len(r.ids[:-1], salt=salt)
         out.append(n // page_size * page_size)
         tree.insert_prefix(r.ids, r.ids, salt=salt)
     return out
