@@ -71,8 +71,7 @@ __all__ = [
     "Router",
     "TreeMatch",
     "check_int",
-    "make_router",
-    "register_policy",
+    "make_router", "register_policy",
 ]
 
 # The defaults of sglang-router 0.3.2 (RouterArgs in src/sglang_router/router_args.py).
