@@ -13,12 +13,17 @@ caching on, as ``benchmarks/vs_vllm.py`` does) twice over: once without speculat
 with ``speculative_config={"method": "ngram", "num_speculative_tokens": k,
 "prompt_lookup_min": lo, "prompt_lookup_max": hi}``, vLLM's names
 (vllm 0.32.0 `config/speculative.py: SpeculativeConfig`), the same k and n-gram lengths as
-minirt's benchmark. Both ``LLM``s live in this one process and are alternated ``--reps``
-times per cell (the best wall time of each kept), each batch cached by an untimed one-token
-run first, as minirt's benchmark does. The acceptance counts are the differences of vLLM's
+minirt's benchmark. Each side runs in a fresh child process of its own, one after the
+other, the n-gram side first, so that one side's engine is never alive while the other is
+timed (unlike minirt's benchmark, which alternates its engines in one process); per cell, each
+batch is cached by an untimed one-token run, then served ``--reps`` times and the best wall
+time kept, as minirt's benchmark does. The acceptance counts are the differences of vLLM's
 spec-decode counters over the timed runs of a cell (``LLM.get_metrics``; the counters of
 vllm 0.32.0 `v1/spec_decode/metrics.py: SpecDecodingProm`); vLLM counts a draft for every
-request-step that had at least one draft token.
+request-step that had at least one draft token (vllm 0.32.0
+`v1/core/sched/scheduler.py: Scheduler.make_spec_decoding_stats` returns before counting when
+a request had none) and reports ``1 + accepted / drafts`` as its mean acceptance length
+(vllm 0.32.0 `v1/spec_decode/metrics.py: SpecDecodingLogging.log`).
 
 If vLLM refuses the n-gram speculator, the exception's type and message are recorded with
 the source line that raises it, and no cell is written.
@@ -65,7 +70,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -108,6 +115,77 @@ def refusing_source(exc: BaseException) -> str:
     return f"{f.filename.split('/vllm/', 1)[1]}: {f.name} (line {f.lineno})"
 
 
+def serve_side(side: str, job: dict) -> dict:
+    """Inside a fresh process: one ``LLM`` (``side`` "plain" or "ngram") through every cell
+    of ``job``; per cell the best wall time, the outputs and (ngram) the counters."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    config, k = job["speculative_config"], job["speculative_config"]["num_speculative_tokens"]
+    extra = {"speculative_config": config} if side == "ngram" else {}
+    llm = LLM(model=job["model_path"], dtype="float32", enforce_eager=True,
+              enable_prefix_caching=True, disable_log_stats=False, max_model_len=4096,
+              seed=0, **extra)
+
+    def run(batch, n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        time.sleep(QUIET_S)
+        start = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
+                            use_tqdm=False)
+        return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+
+    cells = []
+    for name, ps in job["prompts"].items():
+        for b in job["batches"]:
+            batch = ps[:b]
+            run(batch, 1)  # the prompts cached: the timed runs decode
+            before = spec_counters(llm, k) if side == "ngram" else None
+            best: dict = {}
+            for _ in range(job["reps"]):
+                seconds, outs = run(batch, job["max_new_tokens"])
+                if not best or seconds < best["wall_s"]:
+                    best = {"wall_s": seconds, "outputs": outs}
+            if before is not None:
+                after = spec_counters(llm, k)
+                counts = {key: after[key] - before[key] for key in after
+                          if key != "accepted_per_pos"}
+                counts["accepted_per_pos"] = [a - c for a, c in zip(
+                    after["accepted_per_pos"], before["accepted_per_pos"], strict=True)]
+                drafted, accepted = counts["num_draft_tokens"], counts["num_accepted_tokens"]
+                counts["acceptance_rate"] = accepted / drafted if drafted else 0.0
+                counts["mean_acceptance_length"] = (1 + accepted / counts["num_drafts"]
+                                                    if counts["num_drafts"] else 1.0)
+                best.update(counts)
+            cells.append({"workload": name, "batch": b, side: best})
+            print(f"{side} {name} B={b}: {best['wall_s']:.2f} s", flush=True)
+    return {"cells": cells}
+
+
+def run_side(side: str, job_file: Path) -> dict:
+    """``serve_side`` in a child process of this interpreter (vLLM's engine and its
+    threads end with it); the exception it raised, if it raised one."""
+    out = job_file.with_suffix(f".{side}.json")
+    done = subprocess.run([sys.executable, __file__, "--side", side, str(job_file), str(out)],
+                          env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    tail = "\n".join(line for line in done.stdout.splitlines() if "WARNING" not in line)
+    print(tail[-1500:], flush=True)
+    if not out.exists():
+        sys.exit(f"vLLM's {side} run failed ({done.returncode}):\n{done.stdout[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def side_main(side: str, job_file: str, out_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    try:
+        result = serve_side(side, job)
+    except Exception as exc:  # vLLM refuses: record why and where
+        result = {"error": {"type": type(exc).__name__, "message": str(exc),
+                            "source": refusing_source(exc)}}
+    Path(out_file).write_text(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", nargs="+", default=["rag", "code_edit", "chat"],
@@ -119,16 +197,18 @@ def main() -> None:
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--side", nargs=3, metavar=("SIDE", "JOB", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if any(not 1 <= b <= 16 for b in args.batches):
-        sys.exit("--batches: each between 1 and 16 (16 prompts per workload)")
     from _servers import MODEL_NAME, VLLM_ENV
     for name, value in VLLM_ENV.items():
         os.environ.setdefault(name, value)
+    if args.side:
+        side_main(*args.side)
+        return
+    if any(not 1 <= b <= 16 for b in args.batches):
+        sys.exit("--batches: each between 1 and 16 (16 prompts per workload)")
     import vllm
     from speculative import workloads
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from minirt.model import fetch_default_model
     from minirt.workloads import default_tokenizer
@@ -144,69 +224,34 @@ def main() -> None:
               "load_average": load, "error": None,
               "prompts": {n: [list(p) for p in ps[:top]] for n, ps in prompts.items()},
               "cells": []}
-    path = str(fetch_default_model())
-    common = {"model": path, "dtype": "float32", "enforce_eager": True,
-              "enable_prefix_caching": True, "disable_log_stats": False,
-              "max_model_len": 4096, "seed": 0}
-    plain = LLM(**common)
-    try:
-        fast = LLM(**common, speculative_config=config)
-    except Exception as exc:  # vLLM refuses: record why and where
-        record["error"] = {"type": type(exc).__name__, "message": str(exc),
-                           "source": refusing_source(exc)}
+    job_file = Path(tempfile.mkstemp(prefix="speculative-vllm-", suffix=".json")[1])
+    job_file.write_text(json.dumps({**record, "model_path": str(fetch_default_model())}))
+    print(f"vLLM {vllm.__version__} speculative_config {config}, {args.max_new} greedy tokens, "
+          f"best of {args.reps}", flush=True)
+    fast = run_side("ngram", job_file)
+    if "error" in fast:
+        record["error"] = fast["error"]
         record["load_average"].append(round(os.getloadavg()[0], 2))
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"vLLM refused the n-gram speculator: {record['error']}")
         return
-
-    def run(llm, batch, n):
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        time.sleep(QUIET_S)
-        start = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
-                            use_tqdm=False)
-        return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
-
-    k = args.num_speculative_tokens
-    print(f"vLLM {vllm.__version__} speculative_config {config}, {args.max_new} greedy tokens, "
-          f"best of {args.reps}\n")
+    plain = run_side("plain", job_file)
+    if "error" in plain:
+        sys.exit(f"vLLM's plain run failed: {plain['error']}")
     header = (f"{'workload':<10} {'B':>3} {'plain tok/s':>11} {'spec tok/s':>10} "
               f"{'speed-up':>8} {'tok/draft':>9} {'accept':>7} {'same':>5}")
-    print(header)
-    print("-" * len(header))
-    for name, ps in prompts.items():
-        for b in args.batches:
-            batch = [list(p) for p in ps[:b]]
-            for llm in (plain, fast):  # the prompts cached: the timed runs decode
-                run(llm, batch, 1)
-            before = spec_counters(fast, k)
-            best = {}
-            for _ in range(args.reps):
-                for label, llm in (("plain", plain), ("ngram", fast)):
-                    seconds, outs = run(llm, batch, args.max_new)
-                    if label not in best or seconds < best[label]["wall_s"]:
-                        best[label] = {"wall_s": seconds, "outputs": outs}
-            after = spec_counters(fast, k)
-            counts = {key: after[key] - before[key] for key in after if key != "accepted_per_pos"}
-            counts["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"],
-                                                                before["accepted_per_pos"],
-                                                                strict=True)]
-            drafted, accepted = counts["num_draft_tokens"], counts["num_accepted_tokens"]
-            counts["acceptance_rate"] = accepted / drafted if drafted else 0.0
-            counts["mean_acceptance_length"] = (1 + accepted / counts["num_drafts"]
-                                                if counts["num_drafts"] else 1.0)
-            best["ngram"].update(counts)
-            same = sum(a == c for a, c in zip(best["plain"]["outputs"], best["ngram"]["outputs"],
-                                              strict=True))
-            speed_up = best["plain"]["wall_s"] / best["ngram"]["wall_s"]
-            record["cells"].append({"workload": name, "batch": b, **best,
-                                    "speed_up": speed_up, "same": same})
-            tokens = b * args.max_new
-            print(f"{name:<10} {b:>3} {tokens / best['plain']['wall_s']:>11.1f} "
-                  f"{tokens / best['ngram']['wall_s']:>10.1f} {speed_up:>7.2f}x "
-                  f"{counts['mean_acceptance_length']:>9.2f} "
-                  f"{counts['acceptance_rate']:>7.2f} {same:>2}/{b:<2}")
-            args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"\n{header}\n{'-' * len(header)}")
+    for p_cell, f_cell in zip(plain["cells"], fast["cells"], strict=True):
+        b, pl, ng = p_cell["batch"], p_cell["plain"], f_cell["ngram"]
+        same = sum(a == c for a, c in zip(pl["outputs"], ng["outputs"], strict=True))
+        speed_up = pl["wall_s"] / ng["wall_s"]
+        record["cells"].append({"workload": p_cell["workload"], "batch": b, "plain": pl,
+                                "ngram": ng, "speed_up": speed_up, "same": same})
+        tokens = b * args.max_new
+        print(f"{p_cell['workload']:<10} {b:>3} {tokens / pl['wall_s']:>11.1f} "
+              f"{tokens / ng['wall_s']:>10.1f} {speed_up:>7.2f}x "
+              f"{ng['mean_acceptance_length']:>9.2f} {ng['acceptance_rate']:>7.2f} "
+              f"{same:>2}/{b:<2}")
     record["load_average"].append(round(os.getloadavg()[0], 2))
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"\nload average {load[0]:.2f} at start, {load[-1]:.2f} at end (1 min); tok/draft: "

@@ -3,8 +3,10 @@
 vLLM's name for it is ``method="draft_model"`` (vllm 0.32.0
 `config/speculative.py: SpeculativeConfig`; its proposer, vllm 0.32.0
 `v1/spec_decode/draft_model.py: DraftModelProposer`, runs a smaller model of the target's
-family, with the same vocabulary, ``k`` tokens ahead). SGLang calls a separate small draft
-model ``STANDALONE`` (sglang 0.5.23 `srt/speculative/spec_info.py: SpeculativeAlgorithm`).
+family, with the same vocabulary, ``k`` tokens ahead). SGLang calls a separate draft model
+``STANDALONE`` (sglang 0.5.23 `srt/speculative/spec_info.py: SpeculativeAlgorithm`), run by
+sglang 0.5.23 `srt/speculative/standalone_worker_v2.py: StandaloneWorkerV2`, EAGLE's worker
+with the draft's own embeddings and output head.
 
 Which draft model serves this book's lesson? The book's model, SmolLM2-135M-Instruct, is the
 smallest of its family, so there is no smaller model with its tokenizer to draft for it. A
