@@ -24,41 +24,45 @@ vLLM 0.32's format and transport), and the router keeps
 
   Batches or events that cannot be read, events for another medium (``"CPU"``) or block
   size, and removals of hashes the index does not hold are counted and ignored.
-* ``StoreHistory``: block hash -> the replica that most recently stored it, kept after
-  the block is removed (bounded, oldest first out): where a prefix lived, learned from
-  the same ``BlockStored`` events. ``BlockIndex.stored`` records into it.
+* ``Speculation``: the blocks of requests the router sent to a replica that the replica
+  did not hold yet, until its ``BlockStored`` confirms them or no request the router sent
+  there is in flight; ``StoreHistory``: block hash -> the replica that last stored it,
+  kept after removal (bounded). Both live in the ``BlockIndex``.
 * ``PreciseRouter``: the request's block hashes (``kv_events.vllm_block_hashes`` at the
   replicas' block size, over the prompt but its last token, as vLLM caps a hit), the
-  longest leading run of them each replica holds, and chapter 09a's rule with the run
-  in place of the tree's match: loads imbalanced -> least loaded; else matched tokens /
-  prompt tokens above ``cache_threshold`` -> the replica with the longest run (ties: least
-  loaded, then lowest index); else (``affinity``, on by default) the replica that last
-  stored the deepest of the request's blocks any replica ever stored, if healthy
-  (reason ``"affinity"``); else least loaded (``"low_match"``).
+  longest leading run of them each replica holds (continued through its expected blocks
+  when ``speculative``, the default), and chapter 09a's rule with the run in place of
+  the tree's match: loads imbalanced -> least loaded; else matched tokens / prompt
+  tokens above ``cache_threshold`` -> the replica with the longest run (ties: least
+  loaded, then lowest index); else, with ``affinity`` (off by default), the replica that
+  last stored the deepest of the request's blocks ever stored (``"affinity"``); else
+  least loaded (``"low_match"``). ``affinity=False, speculative=False`` is 09a's rule.
 * ``OracleRouter``: the same rule reading each replica's cache directly
-  (``peek_prefix_len``), with the same history fed the caches' stored events
+  (``peek_prefix_len``), its speculation and history following the caches' own events
   (``observe``): the upper bound no deployed router has.
 
-Why the affinity step (a choice of this book, not of the routers it follows). Chapter
-09a's tree remembers where it sent a tenant's text long after the replica evicted it, so
-a tenant whose prefix is gone keeps going back to the same replica and displaces its own
-or that replica's cold blocks there. A router that knows only what is held now sends such
-a request to the least-loaded replica, where its prefix displaces another tenant's: under
-memory pressure every tenant drifts over every replica, each prefix is cached in more
-places, and fewer tenants fit. The production routers that read events do not remember
-either: NVIDIA Dynamo's default selector prices each worker as prefill blocks left after
-its cached overlap plus decode blocks (ai-dynamo/dynamo
-``lib/kv-router/src/scheduling/selector/default.rs``: ``worker_logit``), so with no
-overlap anywhere it is load alone, ties broken at random (``minimum_cost_index``); llm-d
-weighs its ``precise-prefix-cache-scorer`` against load scorers and, for a request no pod
-holds, its ``no-hit-lru-scorer`` prefers the pod least recently given a cold request, "to
-evenly distribute cache growth" (llm-d/llm-d-inference-scheduler
-``pkg/epp/framework/plugins/scheduling/scorer/nohitlru/README.md``). SGLang's router, on
-a match at or below ``cache_threshold``, takes the least-loaded worker (sglang-router
-0.3.2 ``src/policies/cache_aware.rs: CacheAwarePolicy::select_worker``, although its
-header comment says "smallest tree size"). The history keeps what the events said in the
-past, so the router stays precise: it never credits a replica with a block it does not
-hold, it only breaks a cold decision towards where the prefix last was.
+Why the speculation. Events say what a replica stored, and a replica stores a prompt's
+blocks only when it prefills it: between routing a request and that event the router
+would not know that a tenant's second request belongs where its first went, and sends it
+elsewhere (the tree credits a replica the moment it routes there). llm-d's precise
+scorer closes the same gap with speculative entries written at routing time
+("speculativeIndexing", off by default, entries living ``speculativeTTL``, 2 s by default:
+llm-d/llm-d-inference-scheduler, pkg/epp/framework/plugins/scheduling/scorer/
+preciseprefixcache/README.md, read at commit 520af478). Here an entry lives until the
+event confirms it or the replica has nothing of this router's in flight (no clock, so a
+run is deterministic); an entry a failed request leaves lasts until then.
+
+Why affinity is off. It keeps a request no replica holds where its prefix last was, as
+the tree does when it credits a replica that has evicted; a choice neither production
+router makes: NVIDIA Dynamo prices a worker as its prefill blocks left after the cached
+overlap plus its decode blocks (ai-dynamo/dynamo
+lib/kv-router/src/scheduling/selector/default.rs, worker_logit), load alone when nothing
+overlaps, ties at random (minimum_cost_index); llm-d's no-hit-lru-scorer sends a request
+with no hit to the pod least recently given one, "to evenly distribute cache growth"
+(scorer/nohitlru/README.md, same commit); SGLang's router takes the least-loaded worker
+on a match at or below ``cache_threshold`` (sglang-router 0.3.2
+`src/policies/cache_aware.rs: CacheAwarePolicy`, in ``select_worker``; its header comment
+says "smallest tree size"). ``benchmarks/kv_routing.py`` measures both steps.
 
 A restart is detected by the sequence number going back; a router that misses every
 batch of a restarted replica until its numbers pass the old ones cannot tell (vLLM's
@@ -98,7 +102,8 @@ from .router import (
 )
 
 __all__ = ["BlockIndex", "EventSource", "FeedStats", "KVEventSubscriber", "OracleRouter",
-           "PreciseRouter", "ReplicaFeed", "StoreHistory", "request_block_hashes"]
+           "PreciseRouter", "ReplicaFeed", "Speculation", "StoreHistory",
+           "request_block_hashes"]
 
 
 def request_block_hashes(ids: Sequence[int], block_size: int, salt: str | None = None,
@@ -145,9 +150,43 @@ class StoreHistory:
         return len(self._last)
 
 
+class Speculation:
+    """Blocks a router expects replicas to store: those of the requests it routed there
+    that the replica did not hold yet. One goes when the replica's ``BlockStored``
+    confirms it (``confirm``), or when no request of this router is in flight there any
+    more or the replica was cleared (``drop``). ``extend(runs, hashes)``: each replica's
+    run of ``hashes`` continued through its expected blocks."""
+
+    def __init__(self, num_replicas: int) -> None:
+        self._sets: list[set[int | bytes]] = [set() for _ in range(num_replicas)]
+
+    def add(self, replica: int, hashes: Sequence[int | bytes]) -> None:
+        self._sets[replica].update(hashes)
+
+    def confirm(self, replica: int, hashes: Sequence[int | bytes]) -> None:
+        self._sets[replica].difference_update(hashes)
+
+    def drop(self, replica: int) -> None:
+        self._sets[replica].clear()
+
+    def extend(self, runs: Sequence[int], hashes: Sequence[int | bytes]) -> list[int]:
+        out = []
+        for replica, run in enumerate(runs):
+            expected = self._sets[replica]
+            while run < len(hashes) and hashes[run] in expected:
+                run += 1
+            out.append(run)
+        return out
+
+    def size(self, replica: int) -> int:
+        return len(self._sets[replica])
+
+
 class BlockIndex:
     """Block hash -> {replica: how many blocks with that hash it holds}; ``history``: a
-    ``StoreHistory`` of ``history_size`` hashes, fed by ``stored``."""
+    ``StoreHistory`` of ``history_size`` hashes, fed by ``stored``; ``speculation``: the
+    blocks its router expects (``Speculation``), confirmed by ``stored``, dropped by
+    ``clear``."""
 
     def __init__(self, num_replicas: int, history_size: int = 1 << 20) -> None:
         check_int("num_replicas", num_replicas, 1)
@@ -156,6 +195,7 @@ class BlockIndex:
         self._held: list[Counter[int | bytes]] = [Counter() for _ in range(num_replicas)]
         self.unknown_removals = 0
         self.history = StoreHistory(history_size)
+        self.speculation = Speculation(num_replicas)
 
     def _check(self, replica: int) -> None:
         if isinstance(replica, bool) or not isinstance(replica, int) \
@@ -169,6 +209,7 @@ class BlockIndex:
             self._held[replica][h] += 1
             self._where.setdefault(h, Counter())[replica] += 1
         self.history.stored(replica, hashes)
+        self.speculation.confirm(replica, hashes)
 
     def removed(self, replica: int, hashes: Sequence[int | bytes]) -> None:
         """Drop one block per hash; a hash the replica does not hold is counted, ignored."""
@@ -195,6 +236,7 @@ class BlockIndex:
             if not where:
                 del self._where[h]
         self._held[replica].clear()
+        self.speculation.drop(replica)
 
     def held(self, replica: int) -> Counter:
         """A copy of the hashes ``replica`` holds, counted."""
@@ -465,25 +507,28 @@ class KVEventSubscriber:
 
 
 class _RuleRouter(Router):
-    """Chapter 09a's decision rule over a per-replica count of matched prompt tokens."""
+    """Chapter 09a's decision rule over a per-replica count of matched prompt tokens,
+    with the affinity and speculation steps (see the module)."""
 
     imbalanced = CacheAwareRouter.imbalanced
 
     def __init__(self, num_replicas: int, tokenize: Callable[[str], Sequence[int]] | None,
                  cache_threshold: float, balance_abs_threshold: int,
-                 balance_rel_threshold: float, affinity: bool) -> None:
+                 balance_rel_threshold: float, affinity: bool, speculative: bool) -> None:
         super().__init__(num_replicas)
         check_number("cache_threshold", cache_threshold, 0.0, 1.0)
         check_int("balance_abs_threshold", balance_abs_threshold, 0)
         check_number("balance_rel_threshold", balance_rel_threshold, 1.0)
-        if not isinstance(affinity, bool):
-            raise RouterError(f"affinity must be a bool, got {affinity!r}")
+        for name, flag in (("affinity", affinity), ("speculative", speculative)):
+            if not isinstance(flag, bool):
+                raise RouterError(f"{name} must be a bool, got {flag!r}")
         self.tokenize = tokenize
         self.cache_threshold = float(cache_threshold)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = float(balance_rel_threshold)
-        self.affinity = affinity
+        self.affinity, self.speculative = affinity, speculative
         self.history: StoreHistory = StoreHistory()
+        self.speculation = Speculation(num_replicas)
         self.salt: str | None = None
         self._memo: tuple[tuple[int, ...], list[int]] | None = None
 
@@ -497,9 +542,17 @@ class _RuleRouter(Router):
             self._memo = (key, request_block_hashes(ids[:-1], self.block_size_of(), self.salt))
         return self._memo[1]
 
-    def matched(self, ids: list[int]) -> list[int]:
-        """Prompt tokens each replica holds at the start of ``ids``."""
+    def held(self, ids: list[int]) -> list[int]:
+        """Per replica, the leading blocks of ``ids`` it holds (what the router knows)."""
         raise NotImplementedError
+
+    def matched(self, ids: list[int]) -> list[int]:
+        """Prompt tokens each replica holds, or will once what was routed there is
+        stored (``speculative``), at the start of ``ids``."""
+        runs = self.held(ids)
+        if self.speculative:
+            runs = self.speculation.extend(runs, self.hashes(ids))
+        return [run * self.block_size_of() for run in runs]
 
     def _pick(self, text: str, session: str | None) -> Decision:
         if self.tokenize is None:
@@ -513,9 +566,20 @@ class _RuleRouter(Router):
                 isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise RouterError("route_ids takes a sequence of int token ids")
         decision = self._pick_ids(list(ids))
-        self.loads[decision.replica] += 1
+        self._routed(decision.replica, list(ids))
         self.decisions.append(decision)
         return decision.replica
+
+    def _routed(self, replica: int, ids: list[int]) -> None:
+        self.loads[replica] += 1
+        if self.speculative:
+            hashes = self.hashes(ids)
+            self.speculation.add(replica, hashes[self.held(ids)[replica]:])
+
+    def done(self, replica: int) -> None:
+        super().done(replica)
+        if self.speculative and self.loads[replica] == 0:
+            self.speculation.drop(replica)  # nothing routed there can still be stored
 
     def _pick_ids(self, ids: list[int]) -> Decision:
         loads = tuple(self.loads)
@@ -539,7 +603,9 @@ class _RuleRouter(Router):
 class PreciseRouter(_RuleRouter):
     """Routes by the replicas' own KV events (see the module). ``block_size``: the
     replicas' block (page) size; ``salt``: the cache_salt the replicas' requests carry;
-    ``subscriber``: polled before every decision (None: feed ``index`` yourself)."""
+    ``subscriber``: polled before every decision (None: feed ``index`` yourself);
+    ``affinity``, ``speculative``: the two steps beyond chapter 09a's rule (both off: that
+    rule exactly)."""
 
     name = "precise"
 
@@ -549,9 +615,9 @@ class PreciseRouter(_RuleRouter):
                  cache_threshold: float = DEFAULTS["cache_threshold"],
                  balance_abs_threshold: int = DEFAULTS["balance_abs_threshold"],
                  balance_rel_threshold: float = DEFAULTS["balance_rel_threshold"],
-                 affinity: bool = True) -> None:
+                 affinity: bool = False, speculative: bool = True) -> None:
         super().__init__(num_replicas, tokenize, cache_threshold, balance_abs_threshold,
-                         balance_rel_threshold, affinity)
+                         balance_rel_threshold, affinity, speculative)
         check_int("block_size", block_size, 1)
         self.block_size, self.salt = block_size, salt
         self.subscriber = subscriber
@@ -559,20 +625,20 @@ class PreciseRouter(_RuleRouter):
         if self.index.num_replicas != num_replicas:
             raise RouterError(f"the index covers {self.index.num_replicas} replicas, "
                               f"the router {num_replicas}")
-        self.history = self.index.history
+        self.history, self.speculation = self.index.history, self.index.speculation
 
     def block_size_of(self) -> int:
         return self.block_size
 
-    def matched(self, ids: list[int]) -> list[int]:
+    def held(self, ids: list[int]) -> list[int]:
         if self.subscriber is not None:
             self.subscriber.poll(0)
-        return [run * self.block_size for run in self.index.match(self.hashes(ids))]
+        return self.index.match(self.hashes(ids))
 
 
 class OracleRouter(_RuleRouter):
     """The same rule reading each replica's cache (``caches[i].peek_prefix_len``); its
-    ``history`` is fed by ``observe(replica, events)`` with each cache's own events
+    history and speculation follow ``observe(replica, events)``, each cache's own events
     (what a replica stored in the past is in no cache)."""
 
     name = "oracle"
@@ -583,9 +649,10 @@ class OracleRouter(_RuleRouter):
                  cache_threshold: float = DEFAULTS["cache_threshold"],
                  balance_abs_threshold: int = DEFAULTS["balance_abs_threshold"],
                  balance_rel_threshold: float = DEFAULTS["balance_rel_threshold"],
-                 affinity: bool = True, history_size: int = 1 << 20) -> None:
+                 affinity: bool = False, speculative: bool = True,
+                 history_size: int = 1 << 20) -> None:
         super().__init__(len(caches), tokenize, cache_threshold, balance_abs_threshold,
-                         balance_rel_threshold, affinity)
+                         balance_rel_threshold, affinity, speculative)
         self.caches = list(caches)
         self.salt = salt
         self.history = StoreHistory(history_size)
@@ -595,17 +662,22 @@ class OracleRouter(_RuleRouter):
         return getattr(cache, "page_size", None) or cache.block_size
 
     def observe(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
-        """Record where ``events`` (one cache's, in order) stored blocks."""
+        """Follow ``events`` (one cache's, in order): where blocks were stored (history,
+        confirmed speculation), and clears."""
         self._check_replica(replica)
         for event in events:
             if isinstance(event, BlockStored):
                 self.history.stored(replica, event.block_hashes)
+                self.speculation.confirm(replica, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.speculation.drop(replica)
 
-    def matched(self, ids: list[int]) -> list[int]:
+    def held(self, ids: list[int]) -> list[int]:
         import torch
 
         prompt = torch.tensor(ids[:-1], dtype=torch.int64)
-        return [cache.peek_prefix_len(prompt) for cache in self.caches]
+        size = self.block_size_of()
+        return [cache.peek_prefix_len(prompt) // size for cache in self.caches]
 
 
 register_policy("precise", PreciseRouter)  # router.make_router("precise", n, block_size=...)

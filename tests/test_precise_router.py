@@ -329,7 +329,8 @@ def _fill(cache, ids):
 
 
 def test_precise_router_follows_the_longest_run_and_the_balance_rule():
-    router = PreciseRouter(3, 4, balance_abs_threshold=2, balance_rel_threshold=1.5)
+    router = PreciseRouter(3, 4, balance_abs_threshold=2, balance_rel_threshold=1.5,
+                           speculative=False)
     prompt = list(range(100, 133))
     hashes = request_block_hashes(prompt[:-1], 4)
     router.index.stored(1, hashes[:2])
@@ -349,10 +350,13 @@ def test_precise_router_follows_the_longest_run_and_the_balance_rule():
     assert router.route_ids(prompt) == 1
 
 
-def test_precise_and_oracle_agree_when_the_index_is_exact():
+@pytest.mark.parametrize("affinity", [False, True])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_precise_and_oracle_agree_when_the_index_is_exact(affinity, speculative):
     caches = [EventRadixCache(4) for _ in range(3)]
-    precise = PreciseRouter(3, 4)
-    oracle = OracleRouter(caches)
+    flags = {"affinity": affinity, "speculative": speculative}
+    precise = PreciseRouter(3, 4, **flags)
+    oracle = OracleRouter(caches, **flags)
     sub = KVEventSubscriber(precise.index, block_size=4)
     rng = torch.Generator().manual_seed(53)
     prompts = [[t] * 12 + torch.randint(0, 50, (20,), generator=rng).tolist() for t in range(4)]
@@ -370,7 +374,8 @@ def test_precise_and_oracle_agree_when_the_index_is_exact():
                 sub.apply_event(r, event)
         precise.done(a)
         oracle.done(b)
-    assert {d.reason for d in precise.decisions} >= {"cache_hit", "low_match", "affinity"}
+    reasons = {d.reason for d in precise.decisions}
+    assert reasons >= {"cache_hit", "low_match"} and ("affinity" in reasons) == affinity
     assert [d.reason for d in precise.decisions] == [d.reason for d in oracle.decisions]
 
 
@@ -394,7 +399,8 @@ def test_a_prefix_gone_everywhere_goes_back_where_it_was_last_stored():
     prompt = list(range(100, 133))
     hashes = request_block_hashes(prompt[:-1], 4)
     for affinity in (True, False):
-        router = PreciseRouter(3, 4, affinity=affinity, balance_abs_threshold=2)
+        router = PreciseRouter(3, 4, affinity=affinity, speculative=False,
+                               balance_abs_threshold=2)
         router.index.stored(2, hashes[:6])
         router.index.removed(2, hashes[:6])  # evicted: nothing held anywhere
         assert router.index.match(hashes) == [0, 0, 0] and len(router.index) == 0
@@ -402,7 +408,7 @@ def test_a_prefix_gone_everywhere_goes_back_where_it_was_last_stored():
         chosen = router.route_ids(prompt)
         reason = router.decisions[-1].reason
         assert (chosen, reason) == ((2, "affinity") if affinity else (0, "low_match"))
-    router = PreciseRouter(3, 4, balance_abs_threshold=2)
+    router = PreciseRouter(3, 4, affinity=True, speculative=False, balance_abs_threshold=2)
     router.index.stored(1, hashes[:2])
     router.index.stored(2, hashes[:1])  # replica 2 stored the first block last, 1 the deeper
     router.index.clear(1)
@@ -418,6 +424,38 @@ def test_a_prefix_gone_everywhere_goes_back_where_it_was_last_stored():
     assert router.route_ids(prompt) == 0 and router.decisions[-1].reason == "cache_hit"
     with pytest.raises(RouterError, match="affinity"):
         PreciseRouter(3, 4, affinity=1)
+    with pytest.raises(RouterError, match="speculative"):
+        PreciseRouter(3, 4, speculative="yes")
+
+
+def test_speculation_credits_what_was_routed_until_the_events_confirm_it():
+    prompt = list(range(100, 133))
+    hashes = request_block_hashes(prompt[:-1], 4)  # 8 blocks
+    router = PreciseRouter(3, 4)  # speculative by default, affinity off
+    router.index.stored(1, hashes[:2])
+    assert router.route_ids(prompt) == 0  # 2 blocks = 8/33 tokens: a low match
+    assert router.index.speculation.size(0) == 8  # replica 0 held none of them
+    assert router.route_ids(prompt) == 0 and router.decisions[-1].reason == "cache_hit"
+    assert router.route_ids(prompt[:20] + [7] * 13) == 0  # its first 5 blocks expected on 0
+    assert router.index.speculation.size(0) == 11  # and its last 3 are new
+    assert router.index.match(hashes) == [0, 2, 0]  # the index itself is unchanged
+    router.index.stored(0, hashes[:5])  # the prefill's events: 5 confirmed, 6 still expected
+    assert router.index.speculation.size(0) == 6
+    router.index.removed(0, hashes[4:5])  # evicted after it was confirmed: not credited
+    assert router.matched(prompt) == [16, 8, 0]
+    for _ in range(2):
+        router.done(0)
+    assert router.index.speculation.size(0) == 6  # one request still in flight there
+    router.done(0)
+    assert router.index.speculation.size(0) == 0  # none: nothing more can be stored
+    assert router.matched(prompt) == [16, 8, 0]
+    router.route_ids(prompt)  # goes to 0 (16 tokens > 0.3 * 33): blocks 4..7 expected
+    assert router.index.speculation.size(0) == 4
+    router.index.clear(0)  # a restart or AllBlocksCleared drops them too
+    assert router.index.speculation.size(0) == 0 and router.matched(prompt) == [0, 8, 0]
+    off = PreciseRouter(3, 4, speculative=False)
+    off.route_ids(prompt)
+    assert off.index.speculation.size(0) == 0 and off.matched(prompt) == [0, 0, 0]
 
 
 def test_router_arguments_and_text():
