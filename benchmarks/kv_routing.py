@@ -34,9 +34,12 @@ TTFT as the prefill tokens the request's replica computed from its routing until
 prefill (a count standing for time on a CPU this loaded), the spread of in-flight
 requests across replicas, and whether every output equals round robin's (greedy).
 
-    .venv/bin/python benchmarks/kv_routing.py --quick --tiny   # seconds, any machine
+    .venv/bin/python benchmarks/kv_routing.py --quick --tiny   # minutes on 2 busy cores
     .venv/bin/python benchmarks/kv_routing.py                  # the default model
-    .venv/bin/python benchmarks/kv_routing.py --quick --tiny --json benchmarks/kv_routing.json
+    .venv/bin/python benchmarks/kv_routing.py --quick --tiny --check --policies round_robin \
+        approx precise_09a precise oracle precise_affinity precise_both \
+        --json benchmarks/kv_routing.json                      # the recorded run
+    .venv/bin/python benchmarks/kv_routing.py --vllm           # vLLM's server (make peer-vllm)
 
 ``--json PATH`` writes the table as JSON (``benchmarks/kv_routing.json`` is the recorded
 run the chapter reads; ``table_json`` builds the same dict in-process). Schema::
