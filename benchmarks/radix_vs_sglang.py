@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/radix_vs_sglang.py [--repeats 5] [--quick]
     .venv/bin/python benchmarks/radix_vs_sglang.py --only-production   # Mooncake's traces only
+    .venv/bin/python benchmarks/radix_vs_sglang.py --memory-costs --full-block-requests 600
 
 The peer is SGLang's own sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache` with
 the three files it needs, sglang 0.5.23 `srt/mem_cache/base_prefix_cache.py`,
@@ -396,6 +397,36 @@ def time_pair(contenders: Sequence[Contender], trace: Trace, page_size: int,
                      freed_by[c.name]) for c in contenders}
 
 
+def memory_costs(trace: Trace, repeats: int) -> dict[str, float]:
+    """CPU microseconds a request of ``trace`` spends on the memory work alone, outside
+    any tree: what each side copies and keeps, and minirt's checks. Each loop keeps
+    what it makes (as a tree would: fresh memory each request), median of ``repeats``.
+    The floor of the request path where requests share nothing."""
+    import numpy as np
+
+    def slots_check_then_copy(s: torch.Tensor) -> tuple:
+        a = s.numpy()
+        return bool(a.min(initial=0) >= 0), a.tobytes()  # what minirt's insert does to new slots
+
+    steps: dict[str, Callable[[array, torch.Tensor], object]] = {
+        "SGLang: ids[:len] + slots.clone()": lambda a, s: (a[: len(a)], s.clone()),
+        "minirt: TokenIds (copy + sign check)": lambda a, s: TokenIds(a),
+        "minirt: slots sign check + copy": lambda a, s: slots_check_then_copy(s),
+        "minirt: slots sign check alone": lambda a, s: bool(np.asarray(s).min(initial=0) >= 0),
+    }
+    out = {}
+    for name, step in steps.items():
+        runs = []
+        for _ in range(repeats):
+            kept: list[object] = []
+            seconds, _ = _cpu(lambda step=step, kept=kept: [
+                kept.append(step(a, s)) for a, s in zip(trace.arrays, trace.slots, strict=True)])
+            runs.append(seconds)
+            del kept
+        out[name] = statistics.median(runs) / len(trace.arrays) * 1e6
+    return out
+
+
 # ------------------------------------------------------------------ workloads
 
 
@@ -470,8 +501,17 @@ def main() -> int:
                              "hash id, the traces' own (default 1000; 0: none)")
     parser.add_argument("--only-production", action="store_true",
                         help="Mooncake's traces and the random ones only")
+    parser.add_argument("--memory-costs", action="store_true",
+                        help="only the memory work per request (copies, checks) on the "
+                             "production traces at 512, outside any tree")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.memory_costs:
+        for trace in production_traces(512, args.full_block_requests or None):
+            print(trace.name)
+            for name, us in memory_costs(trace, args.repeats).items():
+                print(f"  {us:7.1f} us/request  {name}")
+        return 0
 
     wheel = sglang_wheel()
     if wheel is None:

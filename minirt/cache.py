@@ -271,7 +271,8 @@ class RadixCache:
         if type(priority) is not int or salt is not None:
             priority, salt = _check_priority(priority), check_salt(salt)
         n = len(ids) - len(ids) % self.page_size
-        node, cached_len, runs = self._descend(ids[:n], salt)
+        # the whole ids, not a slice: their tail past n is under a page, where no match goes
+        node, cached_len, runs = self._descend(ids, salt)
         self._tick += 1
         if cached_len:
             self._touch(node, priority, hit=False)

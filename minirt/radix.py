@@ -8,7 +8,7 @@ trie. ``split_at`` cuts a run in two when a new request diverges inside it.
 
 Keys and values are ``Tokens``: read-only ``memoryview`` objects over packed 64-bit
 ints (format ``"q"``), 8 bytes a token, the layout of an int64 tensor. Two runs are
-compared with ``==`` on slices, one loop in C per comparison instead of one Python
+compared in C, one call a comparison (a ``memcmp`` on a request's bytes), not one Python
 step per token; slicing a view is O(1) and shares its buffer, so both halves of a
 split are views of the old buffer: no token id, slot number or K/V moves. Tensors
 appear only at the cache's boundary (``RadixCache`` returns slot indices as tensors).
@@ -94,22 +94,46 @@ def page_key(page_size: int) -> KeyFn:
 def common_prefix_len(a: Tokens | Sequence[int], b: Tokens | Sequence[int], start: int = 0) -> int:
     """How many leading entries ``a`` shares with ``b[start:]``.
 
-    Every ``==`` compares two slices in C. One comparison settles the common case, a
-    full match. After a mismatch, gallop (windows of 1, 2, 4, ... tokens) to the window
-    that holds it, then bisect that window: O(log n) comparisons, never a Python loop
-    over tokens.
+    Every comparison is one call in C. One settles the common case, a full match.
+    After a mismatch, gallop (windows of 1, 2, 4, ... tokens) to the window that holds
+    it, then bisect that window: O(log n) comparisons, never a Python loop over tokens.
+    Where ``b`` spans the whole ``bytes`` object it views (a request's checked ids), a
+    comparison is ``bytes.startswith`` on ``b``'s bytes at the window's offset: a
+    ``memcmp``, eight bytes a token, several times cheaper than ``==`` on two views,
+    which compares token by token.
     """
     a, b = as_tokens(a), as_tokens(b)
     n = min(len(a), len(b) - start)
     if n <= 0:
         return 0
-    if a[:n] == b[start : start + n]:
+    raw = b.obj
+    if type(raw) is not bytes or b.nbytes != len(raw):  # not a whole bytes object
+        return _common_prefix_len_views(a, b, start, n)
+    at = 8 * start  # byte offset of b[start]
+    if raw.startswith(a[:n], at):
         return n
     lo, hi, step = 0, 1, 1
-    while a[lo:hi] == b[start + lo : start + hi]:  # a[:hi] matches: gallop on
+    while raw.startswith(a[lo:hi], at + 8 * lo):  # a[:hi] matches: gallop on
         lo, step = hi, 2 * step
         hi = min(lo + step, n)
     while hi - lo > 1:  # a[:lo] matches, a[:hi] does not
+        mid = (lo + hi) // 2
+        if raw.startswith(a[lo:mid], at + 8 * lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _common_prefix_len_views(a: Tokens, b: Tokens, start: int, n: int) -> int:
+    """``common_prefix_len`` for any two views, with ``==`` on slices."""
+    if a[:n] == b[start : start + n]:
+        return n
+    lo, hi, step = 0, 1, 1
+    while a[lo:hi] == b[start + lo : start + hi]:
+        lo, step = hi, 2 * step
+        hi = min(lo + step, n)
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         if a[lo:mid] == b[start + lo : start + mid]:
             lo = mid

@@ -13,6 +13,7 @@ of them imports it.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -140,55 +141,22 @@ def simulate(
     capacity: int,
     policy: str | EvictionPolicy = "lru",
     page_size: int = 1,
+    *,
+    cached: list[int] | None = None,
 ) -> CacheStats:
     """Replay ``trace`` through a ``RadixCache`` holding at most ``capacity`` tokens.
 
     Per request: match, lock the match (its K/V is in use), evict just enough for the
     uncached part, insert, unlock. Slot indices are made up (each new token gets a
-    fresh one); only the hit statistics matter. Returns the cache's ``CacheStats``.
+    fresh one); only the hit statistics matter. Returns the cache's ``CacheStats``;
+    ``cached``, if given, gets each request's cached length appended (``replay``).
     """
     requests = _as_trace(trace)
     _check_capacity(requests, capacity)
     cache = RadixCache(page_size=page_size, policy=policy)
     next_slot = 0
     for request in requests:
-        ids = torch.tensor(request, dtype=torch.int64)
-        match = cache.match_prefix(ids)
-        aligned = len(request) // page_size * page_size
-        need = aligned - match.cached_len
-        cache.lock(match.handle)
-        overflow = cache.total_size + need - capacity
-        if overflow > 0:
-            cache.evict(overflow)
-        fresh = torch.arange(next_slot, next_slot + need, dtype=torch.int64)
-        next_slot += need
-        cache.insert_prefix(ids[:aligned], torch.cat([match.indices, fresh]))
-        cache.unlock(match.handle)
-    return cache.stats
-
-
-def replay(
-    trace: Iterable[Sequence[int] | torch.Tensor],
-    capacity: int,
-    policy: str | EvictionPolicy = "lru",
-    page_size: int = 1,
-) -> list[int]:
-    """``simulate``, request by request: how many tokens of each request were cached.
-
-    The same replay (match, lock, evict just enough, insert, unlock) through a fresh
-    ``RadixCache``; ``sum(result) / total tokens`` is ``simulate``'s hit rate, and the
-    per-request numbers show who pays for a miss: ``len(request) - result[i]`` tokens of
-    prefill before request ``i``'s first token (the tail that tail-optimized LRU targets).
-    """
-    from array import array  # int64 slots without a tensor: the replay's hot loop
-
-    requests = _as_trace(trace)
-    _check_capacity(requests, capacity)
-    cache = RadixCache(page_size=page_size, policy=policy)
-    cached: list[int] = []
-    next_slot = 0
-    for request in requests:
-        ids = TokenIds(request)
+        ids = TokenIds(request)  # checked once, for the match and the insert
         match = cache.match_prefix(ids)
         aligned = len(request) // page_size * page_size
         need = aligned - match.cached_len
@@ -201,5 +169,23 @@ def replay(
         next_slot += need
         cache.insert_prefix(ids[:aligned], slots)
         cache.unlock(match.handle)
-        cached.append(match.cached_len)
+        if cached is not None:
+            cached.append(match.cached_len)
+    return cache.stats
+
+
+def replay(
+    trace: Iterable[Sequence[int] | torch.Tensor],
+    capacity: int,
+    policy: str | EvictionPolicy = "lru",
+    page_size: int = 1,
+) -> list[int]:
+    """``simulate``, request by request: how many tokens of each request were cached.
+
+    ``sum(result) / total tokens`` is ``simulate``'s hit rate, and the per-request
+    numbers show who pays for a miss: ``len(request) - result[i]`` tokens of prefill
+    before request ``i``'s first token (the tail that tail-optimized LRU targets).
+    """
+    cached: list[int] = []
+    simulate(trace, capacity, policy, page_size, cached=cached)
     return cached

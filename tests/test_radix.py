@@ -7,7 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirt.radix import PageKey, RadixNode, common_prefix_len, page_key, token_key
+from minirt.radix import (
+    PageKey,
+    RadixNode,
+    as_tokens,
+    common_prefix_len,
+    page_key,
+    token_key,
+)
 
 
 def t(xs):
@@ -75,6 +82,25 @@ def test_common_prefix_len_gallops_to_any_mismatch(n, m, where):
         b[where] = -1
     expected = next((i for i in range(min(n, m)) if a[i] != b[i]), min(n, m))
     assert common_prefix_len(a, b) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2), max_size=40), st.lists(st.integers(0, 2), max_size=40),
+       st.integers(0, 45))
+def test_common_prefix_len_same_on_every_kind_of_view(a, b, start):
+    """The memcmp path (b views a whole bytes object) and the slice path (b a slice of a
+    larger buffer, or numpy's memory) give the same answer, at any offset into b."""
+    import numpy as np
+
+    expected = 0
+    while start + expected < len(b) and expected < len(a) and a[expected] == b[start + expected]:
+        expected += 1
+    whole = as_tokens(b)
+    assert whole.obj is not None and whole.nbytes == len(whole.obj)  # the memcmp path
+    padded = as_tokens([7] + b + [7])[1 : len(b) + 1]  # a slice: the view path
+    in_numpy = memoryview(np.array(b, dtype=np.int64)).cast("B").cast("q")
+    for view in (whole, padded, in_numpy):
+        assert common_prefix_len(as_tokens(a), view, start) == expected
 
 
 def test_split_at_shares_storage_and_moves_metadata():

@@ -83,3 +83,12 @@ def test_a_disagreement_is_caught_and_named(bench, sglang):
     trace = small_trace(bench)
     with pytest.raises(bench.Disagreement, match="request 5 .* already-cached length differs"):
         bench.check_agreement(_OffByOne(bench.Minirt()), bench.SGLang(sglang), trace, 1)
+
+
+def test_memory_costs_times_each_side_s_copies_and_minirt_s_checks(bench):
+    trace = small_trace(bench)
+    costs = bench.memory_costs(trace, repeats=1)
+    assert set(costs) == {"SGLang: ids[:len] + slots.clone()",
+                          "minirt: TokenIds (copy + sign check)",
+                          "minirt: slots sign check + copy", "minirt: slots sign check alone"}
+    assert all(us > 0 for us in costs.values())
