@@ -55,11 +55,12 @@ run is deterministic); an entry a failed request leaves lasts until then.
 Why affinity is off. It keeps a request no replica holds where its prefix last was, as
 the tree does when it credits a replica that has evicted; a choice neither production
 router makes: NVIDIA Dynamo prices a worker as its prefill blocks left after the cached
-overlap plus its decode blocks (ai-dynamo/dynamo
-lib/kv-router/src/scheduling/selector/default.rs, worker_logit), load alone when nothing
-overlaps, ties at random (minimum_cost_index); llm-d's no-hit-lru-scorer sends a request
-with no hit to the pod least recently given one, "to evenly distribute cache growth"
-(scorer/nohitlru/README.md, same commit); SGLang's router takes the least-loaded worker
+overlap (scaled) plus its decode blocks and active requests (ai-dynamo/dynamo
+lib/kv-router/src/scheduling/selector/default.rs, worker_logit, read at commit 07a6c9c),
+load alone when nothing overlaps, ties at random (minimum_cost_index); llm-d's
+no-hit-lru-scorer scores highest, for a request with no hit, the pod least recently
+given one, "to evenly distribute cache growth" (scorer/nohitlru/README.md, same commit
+as above); SGLang's router takes the least-loaded worker
 on a match at or below ``cache_threshold`` (sglang-router 0.3.2
 `src/policies/cache_aware.rs: CacheAwarePolicy`, in ``select_worker``; its header comment
 says "smallest tree size"). ``benchmarks/kv_routing.py`` measures both steps.
