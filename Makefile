@@ -127,6 +127,7 @@ $(VLLM_VENV)/.installed:
 peer-vllm: model $(VLLM_VENV)/.installed
 	TQDM_DISABLE=1 $(BIN)/python benchmarks/vs_vllm.py
 	TQDM_DISABLE=1 $(BIN)/python benchmarks/hitcheck_vllm.py
+	TQDM_DISABLE=1 $(VLLM_VENV)/bin/python benchmarks/speculative_vllm.py
 	TQDM_DISABLE=1 $(BIN)/python benchmarks/kv_routing.py --vllm
 
 # tools/serve_fuzz.py against a fresh minirt.serve (any OpenAI-compatible server:
