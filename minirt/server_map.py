@@ -367,7 +367,8 @@ MAP: list[MapRow] = [
          "none in sglang-router 0.3.2 (its cache_aware policy guesses from routed text)",
          "none in vLLM 0.32.0 itself (its events are for an external router)",
          "-", "production indexers (NVIDIA Dynamo's KV router, llm-d's precise prefix-cache "
-         "scorer) read the same events; minirt's decides with 09a's balance rule"),
+         "scorer) read the same events; minirt's decides with 09a's balance rule and, as llm-d's "
+         "speculative indexing does, credits the blocks it routed until their BlockStored"),
         ("router.ApproxTree", "sglang-router 0.3.2 `src/policies/tree.rs: Tree` (one per model, "
          "nodes annotated with tenants)", "none",
          "--max-tree-size, --eviction-interval-secs (60)",
@@ -444,6 +445,23 @@ MAP: list[MapRow] = [
          "and prompt_lookup_max (vLLM)",
          "draft models (EAGLE, MTP, a smaller model), tree verification (SGLang), GPU "
          "kernels; minirt verifies one chain of prompt-lookup drafts"),
+        ("draft_proposer.DraftModelProposer",
+         "sglang 0.5.23 `srt/speculative/standalone_worker_v2.py: StandaloneWorkerV2, "
+         "StandaloneDraftWorker`",
+         "vllm 0.32.0 `v1/spec_decode/draft_model.py: DraftModelProposer`",
+         "--speculative-algorithm STANDALONE, --speculative-draft-model-path (SGLang); "
+         "--speculative-config with method draft_model and model (vLLM)",
+         "a smaller draft model with its own paged KV cache; minirt's default draft is the "
+         "target itself (a self-check), its K/V in a per-request transformers cache"),
+        ("eagle_blocks.EagleBlockCache",
+         "sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixKey.maybe_to_bigram_view` "
+         "(an EAGLE tree keyed by token pairs)",
+         "vllm 0.32.0 `v1/core/single_type_kv_cache_manager.py: "
+         "FullAttentionManager.find_longest_cache_hit` (drop_eagle_block: the last matched "
+         "block recomputed)",
+         "on with an EAGLE or MTP drafter (both)",
+         "real EAGLE heads reading the target's hidden states; minirt measures the lookup "
+         "rules only (plain, drop, the lookahead key of vLLM RFC #50438)"),
     ),
 ]
 
