@@ -563,6 +563,7 @@ def test_real_model_bf16_deterministic_speculation_gives_the_same_tokens():
     ('{"k": 3}', "unknown settings"),
     ("not json", "Expecting value"),
     ("[4]", "a SpeculativeConfig or a dict"),
+    ('{"method": "draft_model", "model": "SmolLM2-135M"}', "loaded torch model"),
 ])
 def test_serve_refuses_a_bad_speculative_config_before_loading_the_model(config, words, capsys):
     from minirt import serve
