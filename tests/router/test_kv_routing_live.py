@@ -1,0 +1,102 @@
+"""benchmarks/kv_routing_live.py: round robin, SGLang's real router and the precise router
+fed by live KV events, in front of real minirt.serve replicas (``make test-router``;
+needs ``.venv-router``).
+
+Runs the script once on a shorter workload and checks what it returns and writes: the
+JSON's shape, every policy's outputs equal round robin's, hit tokens within the prompt
+tokens, the same prompt tokens for every policy, round robin dealing requests in turn,
+the precise router's feed clean and, in the restart workload, the restart seen by its
+feed; and that no process outlives the run. The numbers themselves (which policy finds
+more cached) depend on timing and are not asserted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUTER_PYTHON = os.environ.get("ROUTER_PYTHON", str(ROOT / ".venv-router" / "bin" / "python"))
+REQUESTS = 18
+
+
+@pytest.fixture(scope="module")
+def live():
+    spec = importlib.util.spec_from_file_location("kv_routing_live",
+                                                  ROOT / "benchmarks" / "kv_routing_live.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kv_routing_live"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def run(live, tmp_path_factory):
+    if not Path(ROUTER_PYTHON).exists():
+        pytest.fail(f"no router venv at {ROUTER_PYTHON}: run `make test-router`")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    path = tmp_path_factory.mktemp("live") / "live.json"
+    table = live.main(["--router-python", ROUTER_PYTHON, "--requests", str(REQUESTS),
+                       "--json", str(path)])
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    return table, json.loads(path.read_text()), after - before
+
+
+def test_the_json_is_what_main_returns_and_has_every_row(live, run):
+    table, written, _ = run
+    assert written == table
+    assert written["schema"] == 1 and written["policies"] == list(live.POLICIES)
+    assert set(written["workloads"]) == set(live.SCENARIOS)
+    assert written["settings"]["requests"] == REQUESTS
+    keys = {"prompt_tokens", "hit_tokens", "hit_rate", "ttft_ms_median", "ttft_ms_p90",
+            "per_replica", "spread_mean", "spread_max", "outputs_equal", "requests",
+            "seconds", "feed", "reasons", "credited_but_gone", "restart_seconds"}
+    for rows in written["workloads"].values():
+        assert set(rows) == set(live.POLICIES)
+        for row in rows.values():
+            assert set(row) == keys
+
+
+def test_outputs_equal_and_hits_within_the_prompt(run):
+    table, _, _ = run
+    for scenario, rows in table["workloads"].items():
+        prompts = {row["prompt_tokens"] for row in rows.values()}
+        assert len(prompts) == 1 and prompts.pop() > 0, scenario
+        for policy, row in rows.items():
+            assert row["requests"] == REQUESTS, (scenario, policy)
+            assert row["outputs_equal"] == REQUESTS, (scenario, policy)
+            assert 0 <= row["hit_tokens"] <= row["prompt_tokens"], (scenario, policy)
+            assert sum(row["per_replica"]) == REQUESTS, (scenario, policy)
+            assert 0 < row["ttft_ms_median"] <= row["ttft_ms_p90"], (scenario, policy)
+            assert (row["restart_seconds"] is not None) == (scenario == "restart")
+        assert rows["round_robin"]["per_replica"] == [REQUESTS // 3] * 3  # dealt in turn
+
+
+def test_the_precise_router_read_a_clean_feed(run):
+    table, _, _ = run
+    for scenario, rows in table["workloads"].items():
+        feed = rows["precise"]["feed"]
+        assert feed["batches"] > 0 and feed["events"] > 0, scenario
+        assert feed["bad_batches"] == feed["bad_events"] == feed["gaps"] == 0, scenario
+        assert feed["restarts"] == (scenario == "restart"), scenario
+        assert sum(rows["precise"]["reasons"].values()) == REQUESTS
+        assert rows["round_robin"]["feed"] is rows["sglang"]["feed"] is None
+
+
+def test_no_process_outlives_the_run(run):
+    assert run[2] == set()
+
+
+def test_spreads_count_what_is_in_flight_at_each_start(live):
+    def sent(replica, start, end):
+        return live.Sent("x", replica=replica, start=start, end=end)
+
+    requests = [sent("r0", 0, 10), sent("r0", 1, 2), sent("r1", 3, 4), sent("r0", 10, 11)]
+    # at 0: r0 1; at 1: r0 2; at 3: r0 1 (the first), r1 1; at 10: r0 1 (the first ended)
+    assert live.spreads(requests, ["r0", "r1", "r2"]) == [1, 2, 1, 1]
