@@ -8,7 +8,7 @@ each replica is a ``python -m minirt.serve --capacity C --page-size P
 --kv-events-config '{"enable_kv_cache_events": true, ...}'`` process publishing vLLM's
 events over ZMQ on its own two ports (PUB and replay), and the precise router reads
 what has arrived when it routes. The requests are ``kv_routing.workload``'s eviction
-workload (tenants' long system prompts, pools holding about two of them), sent as
+workload (6 tenants' long system prompts; 800-token pools hold about three prompts), sent as
 ``/v1/chat/completions`` (greedy, ``temperature`` 0, streaming with
 ``stream_options.include_usage``), ``--concurrency`` at a time, in order; in the
 ``restart`` workload, once half of them are answered, replica 0's process is stopped (by
