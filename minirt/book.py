@@ -37,7 +37,7 @@ CHAPTER_MODULES: dict[int, tuple[str, ...]] = {
         "replay", "kernels"),  # serve, engine_worker, replay: 06a; kernels: appendix 06b
     7: ("scheduler",),
     8: ("hashcache", "sidechannel"),
-    # 09a: server_map; 09b (real traffic): traces, traffic; 09c (planned): the KV events
+    # 09a: server_map; 09b (real traffic): traces, traffic; 09c (KV events): the last three
     9: ("tiers", "router", "replicas", "server_map", "traces", "traffic",
         "kv_events", "kv_event_caches", "precise_router"),
     11: ("hybrid", "window_lifecycle", "state"),

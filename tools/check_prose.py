@@ -88,12 +88,16 @@ ADOPTED = [
     "chapters/07_scheduling.ipynb",
     "chapters/09_beyond.ipynb",
     "chapters/09b_real_traffic.ipynb",
+    "chapters/09c_kv_events.ipynb",
     "chapters/11_hybrid.ipynb",
     "chapters/12_hit_rate.ipynb",
+    "chapters/13_speculative.ipynb",
     "solutions/07_scheduling.ipynb",
     "solutions/09b_real_traffic.ipynb",
+    "solutions/09c_kv_events.ipynb",
     "solutions/11_hybrid.ipynb",
     "solutions/12_hit_rate.ipynb",
+    "solutions/13_speculative.ipynb",
 ]
 
 META_KEY = "prose_numbers"

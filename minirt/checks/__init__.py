@@ -21,3 +21,4 @@ from .ch09c import *  # noqa: F401,F403
 from .ch10 import *  # noqa: F401,F403
 from .ch11 import *  # noqa: F401,F403
 from .ch12 import *  # noqa: F401,F403
+from .ch13 import *  # noqa: F401,F403
