@@ -64,7 +64,6 @@ run the chapter reads; ``table_json`` builds the same dict in-process). Schema::
                       "reasons": {str: int},     # routing decisions by reason
                       "stale_credits": int,      # see ``stale_credits``
                       "removed_blocks": int,     # blocks the replicas evicted
-                      "restart_window_requests": int | null,  # see Outcome.restart_window
                       "window": {"requests_measured": int,  # see ``Outcome.windows``
                                  "routed_meanwhile_mean": float, "routed_meanwhile_max": int,
                                  "engine_steps_mean": float, "engine_steps_max": int,
@@ -146,9 +145,6 @@ class Outcome:
     # (requests routed meanwhile, engine steps, ms), one per request that stored a block
     windows: list[tuple[int, int, float]] = field(default_factory=list)
     removed_blocks: int = 0  # blocks the replicas evicted (BlockRemoved), all replicas
-    # restart: requests a precise router routed after replica 0 restarted and before its
-    # feed saw the new publisher's first batch (numbers going back) and dropped the old index
-    restart_window: int | None = None
     hits: dict[str, int] = field(default_factory=dict)  # rid -> cached prompt tokens
     reasons: Counter = field(default_factory=Counter)
 
@@ -249,11 +245,6 @@ def run(policy: str, scenario: str, model, tokenizer, jobs: list[Job], args) -> 
                 r.pub.flush()
             if not router.subscriber.sync([r.pub.seq for r in replicas]):
                 raise RuntimeError("the precise router's feed did not catch up in 5 s")
-        if isinstance(router, PreciseRouter) and restarted and scenario == "restart":
-            if router.subscriber.feeds[0].stats.restarts == 0:
-                out.restart_window = (out.restart_window or 0) + 1
-            elif out.restart_window is None:
-                out.restart_window = 0
         if isinstance(router, (PreciseRouter, OracleRouter)):
             replica = router.route_ids(job.ids)
         else:
@@ -308,6 +299,9 @@ def run(policy: str, scenario: str, model, tokenizer, jobs: list[Job], args) -> 
             for router in routers:
                 if isinstance(router, OracleRouter):
                     router.caches[0] = replicas[0].cache
+            for router in routers:  # as it waits for every batch: it has seen the old
+                if isinstance(router, PreciseRouter):  # replica's connection close
+                    _await_disconnect(router.subscriber, 0)
             time.sleep(0.3)  # the SUB sockets reconnect
             restarted = True
         while waiting and len(live) < args.concurrency:
@@ -321,7 +315,8 @@ def run(policy: str, scenario: str, model, tokenizer, jobs: list[Job], args) -> 
         totals = [s.totals() for s in subs]
         out.feed_totals = {name: sum(getattr(t, name) for t in totals) for name in vars(totals[0])}
         out.feed = (f"batches {sum(t.batches for t in totals)}, restarts "
-                    f"{sum(t.restarts for t in totals)}, late starts "
+                    f"{sum(t.restarts for t in totals)}, disconnects "
+                    f"{sum(t.disconnects for t in totals)}, late starts "
                     f"{sum(t.late_starts for t in totals)}, gaps {sum(t.gaps for t in totals)}, "
                     f"bad {sum(t.bad_batches + t.bad_events for t in totals)}")
         for s in subs:
@@ -399,7 +394,6 @@ def outcome_json(o: Outcome, base: dict[str, list[int]], jobs: list[Job],
             "requests": len(base), "reasons": dict(sorted(o.reasons.items())),
             "stale_credits": stale_credits(o, jobs, threshold),
             "removed_blocks": o.removed_blocks, "window": window_json(o),
-            "restart_window_requests": o.restart_window,
             "feed": o.feed_totals}
 
 
@@ -603,25 +597,30 @@ def vllm_check(tokenizer, jobs: list[Job], out_path: str = VLLM_JSON) -> None:
 
 def check(scenario: str, by: dict[str, Outcome]) -> None:
     """What must hold whatever the numbers: the outputs agree; a precise router that has
-    every batch before it decides routes every request as the oracle does (but after the
-    restart, which its index learns only from the new publisher's first batch); its feed
-    saw no gap or bad batch, and the restart (only in that workload)."""
+    every batch, and every closed connection, before it decides routes every request as
+    the oracle does; its feed saw no gap or bad batch, and replica 0's connection close
+    (only in the restart workload; the new publisher then starts a fresh stream, so no
+    number goes back)."""
     base = by["round_robin"].outputs
     for name, o in by.items():
         assert o.outputs == base, f"{scenario}: {name}'s outputs differ from round robin's"
     precise, oracle = by["precise"], by["oracle"]
     differ = sum(precise.routed[rid] != oracle.routed[rid] for rid in oracle.routed)
-    if scenario == "restart":  # the index credits the old replica 0 until the new batches
-        assert precise.restart_window is not None, "the restart was never seen"
-        print(f"  precise routed {precise.restart_window} request(s) before its feed saw the "
-              f"restart; {differ} of its routes differ from the oracle's")
-    else:
-        assert differ == 0, f"{scenario}: precise and oracle differ on {differ} routes"
+    assert differ == 0, f"{scenario}: precise and oracle differ on {differ} routes"
     feed = by["precise"].feed
     assert ", gaps 0, bad 0" in feed, f"{scenario}: {feed}"
-    assert (", restarts 1," in feed) == (scenario == "restart"), f"{scenario}: {feed}"
-    print(f"  checked: equal outputs, precise = oracle{' but after the restart' if differ else ''}"
-          f", feed clean ({scenario})")
+    assert ", restarts 0, " in feed, f"{scenario}: {feed}"
+    assert (", disconnects 1," in feed) == (scenario == "restart"), f"{scenario}: {feed}"
+    print(f"  checked: equal outputs, precise = oracle, feed clean ({scenario})")
+
+
+def _await_disconnect(sub: KVEventSubscriber, replica: int, timeout_s: float = 5.0) -> None:
+    """Poll ``sub`` until it has seen ``replica``'s connection close."""
+    deadline = time.monotonic() + timeout_s
+    while not sub.feeds[replica].stats.disconnects:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"replica {replica}'s closed connection not seen in {timeout_s} s")
+        sub.poll(50)
 
 
 def main() -> None:

@@ -53,7 +53,9 @@ own send and end times. Outputs (the generated text) must be equal across polici
          "reasons": {str: int} | null,    # precise: its decisions by reason
          "credited_but_gone": int | null,  # precise: cache-hit routes whose response
                                            # found fewer tokens cached than credited
-         "restart_seconds": float | null}}}}  # restart: replica 0 down until serving
+         "restart_seconds": float | null,  # restart: replica 0 down until serving
+         "per_request": [{"tenant": int, "replica": str, "cached": int,
+                          "reason": str | null}, ...]}}}}  # in send order
 
 TTFT in milliseconds depends on the machine and its load (3 replicas on shared CPU
 cores); hit tokens and outputs do not depend on timing except through the routing.
@@ -111,6 +113,8 @@ class Sent:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     credited: int | None = None  # precise, cache_hit: prompt tokens its index credited
+    reason: str | None = None  # precise: why it chose the replica
+    tenant: int = -1
 
 
 @dataclass
@@ -238,6 +242,7 @@ def run(policy: str, scenario: str, jobs, args) -> Result:
                         else:
                             replica = precise.route_ids(job.ids)
                             d = precise.decisions[-1]
+                            sent.reason = d.reason
                             if d.reason == "cache_hit":
                                 sent.credited = round(d.match_rate * len(job.ids))
                     try:
@@ -258,7 +263,7 @@ def run(policy: str, scenario: str, jobs, args) -> Result:
         with httpx.Client(timeout=300) as client, \
                 ThreadPoolExecutor(args.concurrency) as pool:
             for k, (job, messages) in enumerate(jobs):
-                result.sent.append(Sent(job.rid))
+                result.sent.append(Sent(job.rid, tenant=job.tenant))
                 if scenario == "restart" and k == len(jobs) // 2:
                     for _ in range(args.concurrency):  # every request so far answered
                         slots.acquire()
@@ -332,7 +337,9 @@ def summary(r: Result, base: Result, replicas: int) -> dict:
             "credited_but_gone": (None if r.reasons is None else sum(
                 s.credited is not None and s.cached_tokens < s.credited for s in r.sent)),
             "restart_seconds": (None if r.restart_seconds is None
-                                else round(r.restart_seconds, 1))}
+                                else round(r.restart_seconds, 1)),
+            "per_request": [{"tenant": s.tenant, "replica": s.replica, "cached": s.cached_tokens,
+                             "reason": s.reason} for s in r.sent]}
 
 
 def report(scenario: str, rows: dict[str, dict]) -> None:
@@ -351,6 +358,20 @@ def report(scenario: str, rows: dict[str, dict]) -> None:
             print(f"  {policy}: decisions {s['reasons']}, of the cache hits "
                   f"{s['credited_but_gone']} found less cached than credited; feed: "
                   + ", ".join(f"{k} {v}" for k, v in s["feed"].items() if v))
+
+
+def differences(rows: dict[str, dict], a: str = "sglang", b: str = "precise") -> None:
+    """Print the requests whose cached tokens differ between policies ``a`` and ``b``: the
+    per-request account of a difference in hit tokens."""
+    if a not in rows or b not in rows:
+        return
+    pairs = list(zip(rows[a]["per_request"], rows[b]["per_request"], strict=True))
+    diff = [(k, x, y) for k, (x, y) in enumerate(pairs) if x["cached"] != y["cached"]]
+    print(f"  {len(diff)} requests cached differently, {a} vs {b} "
+          f"(request: tenant, replica and cached tokens of each; {b}'s reason):")
+    for k, x, y in diff:
+        print(f"    {k:>3}: tenant {x['tenant']}  {x['replica']} {x['cached']:>4}  "
+              f"{y['replica']} {y['cached']:>4}  {y['reason']}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -395,6 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
         base = results[args.policies[0]]
         workloads[scenario] = {p: summary(r, base, args.replicas) for p, r in results.items()}
         report(scenario, workloads[scenario])
+        differences(workloads[scenario])
     table = {"schema": 1, "command": " ".join(["benchmarks/kv_routing_live.py", *(
                  argv if argv is not None else sys.argv[1:])]),
              "settings": {"model": DEFAULT_MODEL, "replicas": args.replicas,

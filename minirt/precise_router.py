@@ -22,6 +22,11 @@ vLLM 0.32's format and transport), and the router keeps
     over, i.e. the replica restarted with an empty cache: its index is dropped and
     rebuilt from the new publisher's batches (replayed from 0 when it can).
 
+  A replica's connection closing (ZMQ's socket monitor reports ``EVENT_DISCONNECTED``
+  on its SUB socket: its process ended, or the network between) drops its index at
+  once, before any batch of a new publisher: the replica may have gone with its cache.
+  Its next batch is then a first one, caught up from the replay socket like a late start.
+
   Batches or events that cannot be read, events for another medium (``"CPU"``) or block
   size, and removals of hashes the index does not hold are counted and ignored.
 * ``Speculation``: the blocks of requests the router sent to a replica that the replica
@@ -65,9 +70,11 @@ on a match at or below ``cache_threshold`` (sglang-router 0.3.2
 `src/policies/cache_aware.rs: CacheAwarePolicy`, in ``select_worker``; its header comment
 says "smallest tree size"). ``benchmarks/kv_routing.py`` measures both steps.
 
-A restart is detected by the sequence number going back; a router that misses every
-batch of a restarted replica until its numbers pass the old ones cannot tell (vLLM's
-batches carry no publisher epoch).
+A restart is seen twice over: the connection closes when the old process ends (the
+index is dropped then), and the new publisher's numbers start again from 0. vLLM's
+batches carry no publisher epoch, so without the first signal a router that misses every
+batch of a restarted replica until its numbers pass the old ones could not tell; the
+closed connection is the epoch boundary here.
 """
 
 from __future__ import annotations
@@ -279,6 +286,7 @@ class FeedStats:
     gaps: int = 0
     late_starts: int = 0
     restarts: int = 0
+    disconnects: int = 0  # the replica's connection closed (its index was dropped)
     replays: int = 0
     drops: int = 0
     partial_rebuilds: int = 0
@@ -324,6 +332,7 @@ class KVEventSubscriber:
         self.replay_timeout_ms = replay_timeout_ms
         self.sources = list(sources)
         self._subs: list[Any] = []
+        self._monitors: list[Any] = []  # each SUB socket's monitor (its disconnects)
         self._ctx = context
         if self.sources:
             if len(self.sources) != index.num_replicas:
@@ -337,9 +346,12 @@ class KVEventSubscriber:
             for source in self.sources:
                 sub = self._ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode("utf-8"))
+                monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 sub.connect(source.endpoint)
                 self._poller.register(sub, zmq.POLLIN)
+                self._poller.register(monitor, zmq.POLLIN)
                 self._subs.append(sub)
+                self._monitors.append(monitor)
 
     # ------------------------------------------------------------ the sequence logic
 
@@ -361,6 +373,13 @@ class KVEventSubscriber:
                 feed.stats.gaps += 1
             self._catch_up(replica, expected, seq)
         self._apply(replica, seq, payload)
+
+    def disconnected(self, replica: int) -> None:
+        """The connection carrying ``replica``'s events closed: drop its index now (its
+        process may have ended with its cache); its next batch starts it again."""
+        self.feeds[replica].stats.disconnects += 1
+        self._drop(replica)
+        self.feeds[replica].received = None
 
     def _drop(self, replica: int) -> None:
         self.index.clear(replica)
@@ -450,10 +469,13 @@ class KVEventSubscriber:
             dealer.close()
 
     def poll(self, timeout_ms: int = 0) -> int:
-        """Read every batch waiting (waiting up to ``timeout_ms`` for the first);
-        returns how many batches arrived."""
+        """Read every batch and disconnect waiting (waiting up to ``timeout_ms`` for the
+        first); returns how many batches arrived. A replica's batches are read before its
+        disconnect, so what its old connection delivered is applied, then dropped."""
         if not self._subs:
             return 0
+        from zmq.utils.monitor import recv_monitor_message
+
         zmq = self._zmq
         count = 0
         wait = timeout_ms
@@ -461,7 +483,8 @@ class KVEventSubscriber:
             ready = dict(self._poller.poll(wait))
             if not ready:
                 return count
-            for replica, sub in enumerate(self._subs):
+            for replica, (sub, monitor) in enumerate(zip(self._subs, self._monitors,
+                                                          strict=True)):
                 while sub in ready:
                     try:
                         frames = sub.recv_multipart(zmq.NOBLOCK)
@@ -472,6 +495,13 @@ class KVEventSubscriber:
                         self.feeds[replica].stats.bad_batches += 1
                         continue
                     self.receive(replica, int.from_bytes(frames[1], "big"), frames[2])
+                while monitor in ready:
+                    try:
+                        event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        self.disconnected(replica)
             wait = 0
 
     def sync(self, seqs: Sequence[int], timeout_ms: int = 5000) -> bool:
@@ -491,9 +521,11 @@ class KVEventSubscriber:
             self.poll(int(min(left, 0.05) * 1000))
 
     def close(self) -> None:
-        for sub in self._subs:
+        for sub, monitor in zip(self._subs, self._monitors, strict=True):
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
-        self._subs = []
+        self._subs, self._monitors = [], []
 
     def totals(self) -> FeedStats:
         """Every feed's counts added up."""

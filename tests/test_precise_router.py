@@ -179,6 +179,22 @@ def test_restart_drops_the_replica_and_rebuilds():
     assert (s.restarts, s.drops, s.late_starts) == (1, 1, 1)
 
 
+def test_a_disconnect_drops_the_replica_and_its_next_batch_starts_it_again():
+    new_life = [(0, payload(stored(5)))]  # the new process has published one batch so far
+    sub = feed([new_life, None], n=2)
+    sub.receive(1, 0, payload(stored(42)))
+    for seq in range(3):
+        sub.receive(0, seq, payload(stored(100 + seq)))
+    sub.disconnected(0)  # before any batch of the new process
+    assert sub.index.held(0) == Counter() and sub.index.held(1) == Counter({42: 1})
+    assert sub.feeds[0].received is None and sub.feeds[0].applied is None
+    sub.receive(0, 1, payload(stored(6)))  # its second batch: a late start, caught up
+    assert sub.index.held(0) == Counter({5: 1, 6: 1})
+    s = sub.feeds[0].stats
+    assert (s.disconnects, s.restarts, s.late_starts, s.drops) == (1, 0, 1, 1)
+    assert sub.feeds[1].stats.disconnects == 0
+
+
 def test_late_start_catches_up_from_replay_and_skips_duplicates():
     history = [(i, payload(stored(i))) for i in range(4)]
     sub = feed([history])
@@ -277,9 +293,10 @@ def _rebind(port, replay_port):
     raise AssertionError(f"ports {port}, {replay_port} stayed busy")
 
 
-def test_a_restarted_replica_is_rebuilt_over_tcp():
-    """The new publisher numbers from 0 again; the first batch the router gets from it
-    (ZMQ loses those sent while the SUB socket reconnects) has a number it has seen."""
+def test_a_restarted_replica_is_dropped_when_its_connection_closes_and_rebuilt_over_tcp():
+    """The old publisher's socket closing drops the replica's index before any batch of
+    the new one; the new publisher numbers from 0 again, and the router rebuilds from its
+    batches (those lost while the SUB socket reconnects come from the replay socket)."""
     cache = EventRadixCache(2)
     pub = ZmqEventPublisher("tcp://*:0", "tcp://*:0")
     port = pub.endpoint.rsplit(":", 1)[1]
@@ -294,19 +311,25 @@ def test_a_restarted_replica_is_rebuilt_over_tcp():
         _wait(sub, [pub])
         assert sub.index.held(0) == _contents(cache) and len(sub.index) == 20
         pub.close()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not sub.feeds[0].stats.disconnects:
+            sub.poll(100)
+        assert sub.feeds[0].stats.disconnects == 1, "the closed connection was not seen"
+        assert len(sub.index) == 0 and sub.feeds[0].received is None  # before any new batch
         cache = EventRadixCache(2)  # the replica comes back empty
         pub = _rebind(port, replay_port)
         deadline = time.monotonic() + 5
         i = 0
         while time.monotonic() < deadline and not (
-                sub.feeds[0].stats.restarts and sub.index.held(0) == _contents(cache)):
+                sub.feeds[0].stats.batches > 10 and sub.index.held(0) == _contents(cache)):
             i += 1
             assert pub.seq < 10, "the router saw none of the new publisher's first batches"
             cache.insert_prefix(torch.tensor([50 + i, 8]), torch.arange(2 * i, 2 * i + 2))
             pub.publish_events(cache.take_events())
             pub.flush()
             sub.poll(100)
-        assert sub.feeds[0].stats.restarts == 1
+        stats = sub.feeds[0].stats
+        assert stats.disconnects == 1 and stats.restarts == 0 and stats.batches > 10
         assert sub.index.held(0) == _contents(cache)  # the old life's 20 blocks are gone
         assert not set(sub.index.held(0)) & {external_block_hash(h) for h in
                                               vllm_block_hashes([0, 0, 7, 7], 2)}
