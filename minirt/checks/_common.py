@@ -133,6 +133,19 @@ def as_int_list(got) -> list[int] | None:
         return None
 
 
+def expect_per_request(what: str, got, want: Sequence[int], requests: Sequence[Sequence[int]],
+                       verb: str, after: str = "") -> None:
+    """The reader's ``got`` must be one int per request, each equal to ``want``'s; the
+    message names the first request that differs and its length: "request i (n tokens)
+    {verb} {want} tokens{after}; got {got}"."""
+    got_list = as_int_list(got) if got is not None else None
+    expect(got_list is not None and len(got_list) == len(requests),
+           f"{what} returned {got!r}; expected a list of {len(requests)} ints.")
+    for i, (g, w) in enumerate(zip(got_list, want, strict=True)):
+        expect(g == w, f"{what}: request {i} ({len(requests[i])} tokens) {verb} {w} "
+                       f"tokens{after}; got {g}.")
+
+
 def lcp(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token lists (a plain loop, for references)."""
     n = 0

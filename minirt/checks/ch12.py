@@ -14,7 +14,15 @@ from collections.abc import Callable, Sequence
 from functools import cache
 
 from ..workloads import default_tokenizer
-from ._common import as_int_list, call_reader, checker, expect, lcp, passed, same_int
+from ._common import (
+    call_reader,
+    checker,
+    expect,
+    expect_per_request,
+    lcp,
+    passed,
+    same_int,
+)
 
 __all__ = [
     "FIX_QUESTIONS",
@@ -191,13 +199,8 @@ def check_block_loss(block_loss: Callable[[list[list[int]], int], list[int]]) ->
         shown = requests if len(requests) <= 3 else f"<{len(requests)} requests>"
         what = f"block_loss({shown}, {block_size})"
         got = call_reader(what, block_loss, [list(r) for r in requests], block_size)
-        want = _block_loss(requests, block_size)
-        got_list = as_int_list(got) if got is not None else None
-        expect(got_list is not None and len(got_list) == len(requests),
-               f"{what} returned {got!r}; expected a list of {len(requests)} ints.")
-        for i, (g, w) in enumerate(zip(got_list, want, strict=True)):
-            expect(g == w, f"{what}: request {i} ({len(requests[i])} tokens) loses {w} "
-                           f"tokens to the block boundary; got {g}.")
+        expect_per_request(what, got, _block_loss(requests, block_size), requests, "loses",
+                           " to the block boundary")
     passed("12.3", "every request's loss on six streams")
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ..eagle_blocks import replay_hits
 from ..speculative import accept_greedy
-from ._common import as_int_list, call_reader, checker, expect, passed, same_int
+from ._common import as_int_list, call_reader, checker, expect, expect_per_request, passed, same_int
 
 __all__ = ["check_accepted", "check_eagle_hits", "check_slots_to_free",
            "check_tokens_per_step"]
@@ -151,11 +151,6 @@ def check_eagle_hits(eagle_hits: Callable[[list[list[int]], int, str], list[int]
             shown = requests if len(requests) <= 3 else f"<{len(requests)} requests>"
             what = f"eagle_hits({shown}, {block_size}, {rule!r})"
             got = call_reader(what, eagle_hits, [list(r) for r in requests], block_size, rule)
-            want = replay_hits(requests, block_size, rule, _VOCAB)
-            got_list = as_int_list(got) if got is not None else None
-            expect(got_list is not None and len(got_list) == len(requests),
-                   f"{what} returned {got!r}; expected a list of {len(requests)} ints.")
-            for i, (g, w) in enumerate(zip(got_list, want, strict=True)):
-                expect(g == w, f"{what}: request {i} ({len(requests[i])} tokens) hits {w} "
-                               f"tokens; got {g}.")
+            expect_per_request(what, got, replay_hits(requests, block_size, rule, _VOCAB),
+                               requests, "hits")
     passed("13.4", "both rules on six streams")
