@@ -56,11 +56,14 @@ def test_the_json_is_what_main_returns_and_has_every_row(live, run):
     assert written["settings"]["requests"] == REQUESTS
     keys = {"prompt_tokens", "hit_tokens", "hit_rate", "ttft_ms_median", "ttft_ms_p90",
             "per_replica", "spread_mean", "spread_max", "outputs_equal", "requests",
-            "seconds", "feed", "reasons", "credited_but_gone", "restart_seconds"}
+            "seconds", "feed", "reasons", "credited_but_gone", "restart_seconds",
+            "per_request"}
     for rows in written["workloads"].values():
         assert set(rows) == set(live.POLICIES)
         for row in rows.values():
             assert set(row) == keys
+            assert [r["cached"] for r in row["per_request"]] and \
+                sum(r["cached"] for r in row["per_request"]) == row["hit_tokens"]
 
 
 def test_outputs_equal_and_hits_within_the_prompt(run):
