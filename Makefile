@@ -25,7 +25,7 @@ BOOK_NOTEBOOKS := $(CHAPTERS) $(sort $(wildcard exercises/*.ipynb)) $(SOLUTIONS)
 
 .PHONY: env model lab book solutions test test-unit test-notebooks test-gpu exercises lint clean \
         html vendor test-browser peer-vllm router-demo test-router check-citations gpu-prep \
-        gpu-book-cpu fuzz-serve kv-routing kv-routing-live
+        gpu-book-cpu fuzz-serve kv-routing kv-routing-live kv-routing-live-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -151,13 +151,20 @@ router-demo: model $(ROUTER_VENV)/.installed
 
 test-router: model $(ROUTER_VENV)/.installed
 	TQDM_DISABLE=1 ROUTER_PYTHON=$(ROUTER_VENV)/bin/python $(BIN)/python -m pytest -q --router \
-	    --ignore=tests/router/test_kv_routing_live.py tests/router
+	    --ignore=tests/router/test_kv_routing_live.py \
+	    --ignore=tests/router/test_kv_routing_live_vllm.py tests/router
 
 # The same side by side live (benchmarks/kv_routing_live.py): 3 minirt.serve processes
 # publishing KV events, round robin, SGLang's router and the precise router (about 5 min).
 kv-routing-live: model $(ROUTER_VENV)/.installed
 	TQDM_DISABLE=1 ROUTER_PYTHON=$(ROUTER_VENV)/bin/python $(BIN)/python -m pytest -q --router \
 	    tests/router/test_kv_routing_live.py
+
+# The same with vLLM's CPU server as the last replica, publishing its own events
+# (kv_routing_live.py --vllm-replica; needs both venvs; about 5 min).
+kv-routing-live-vllm: model $(ROUTER_VENV)/.installed $(VLLM_VENV)/.installed
+	TQDM_DISABLE=1 ROUTER_PYTHON=$(ROUTER_VENV)/bin/python $(BIN)/python -m pytest -q --router \
+	    tests/router/test_kv_routing_live_vllm.py
 
 # KV-event routing side by side (benchmarks/kv_routing.py): round robin, the approximate
 # tree, the precise router fed by the replicas' ZMQ events and the oracle, on in-process
