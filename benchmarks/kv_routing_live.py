@@ -45,8 +45,9 @@ is the same, and what had to be settled:
 * Page: 32 for every replica, not 16. vLLM's CPU attention takes only block sizes that
   are a multiple of 32 (vllm 0.32.0 `v1/attention/backends/cpu_attn.py:
   CPUAttentionBackend.get_supported_kernel_block_sizes`, checked by vllm 0.32.0
-  `v1/worker/utils.py: select_common_block_size`: "No common block size for 16"), and one
-  precise router hashes at one block size.
+  `v1/worker/utils.py: select_common_block_size`; started with ``--block-size 16`` its
+  worker fails with "ValueError: No common block size for 16 (CPU_ATTN:
+  [MultipleOf(32)])"), and one precise router hashes at one block size.
 * Capacity: ``--num-gpu-blocks-override capacity/page + 1`` (26 for 800 tokens) and
   ``--max-model-len capacity``. The CPU engine sizes its cache through the same path as
   the GPU one (vllm 0.32.0 `v1/engine/core.py: EngineCore._initialize_kv_caches` calls
@@ -68,9 +69,10 @@ is the same, and what had to be settled:
   token is out and the usage, with ``prompt_tokens_details.cached_tokens``, on a last
   chunk of its own (vllm 0.32.0 `entrypoints/openai/chat_completion/serving.py:
   OpenAIServingChat.chat_completion_stream_generator`).
-* Which replica answered: vLLM puts ``vllm-<version>-<hash8>`` in ``system_fingerprint``
-  by default; ``--fingerprint-mode custom --fingerprint-value r2`` makes it the replica's
-  name (vllm 0.32.0 `entrypoints/serve/utils/fingerprint.py: build_system_fingerprint`),
+* Which replica answered: vLLM puts ``vllm-<version>[-<parallelism>]-<hash8>`` in
+  ``system_fingerprint`` by default (``--fingerprint-mode full``);
+  ``--fingerprint-mode custom --fingerprint-value r2`` makes it the replica's name
+  (vllm 0.32.0 `entrypoints/serve/utils/fingerprint.py: build_system_fingerprint`),
   stamped on the usage chunk.
 * Outputs: each request's texts are also compared within each kind of replica
   (``outputs_same_kind``) and across kinds (``outputs_by_kind``), so that a difference
