@@ -23,16 +23,19 @@ vLLM 0.32's format and transport), and the router keeps
     rebuilt from the new publisher's batches (replayed from 0 when it can).
 
   A replica's connection closing (ZMQ's socket monitor reports ``EVENT_DISCONNECTED``
-  on its SUB socket: its process ended, or the network between) drops its index at
-  once, before any batch of a new publisher: the replica may have gone with its cache.
-  Its next batch is then a first one, caught up from the replay socket like a late start.
+  on its SUB socket: its process exited, or the network between dropped the
+  connection) drops its index at the next poll, after the batches the old connection
+  delivered: the replica may have gone with its cache. Its next batch is then a first
+  one, caught up from the replay socket like a late start. A host that vanishes
+  without closing the connection is not noticed this way (ZMQ's heartbeat options,
+  not set here, would be the tool).
 
   Batches or events that cannot be read, events for another medium (``"CPU"``) or block
   size, and removals of hashes the index does not hold are counted and ignored.
-* ``Speculation``: the blocks of requests the router sent to a replica that the replica
-  did not hold yet, until its ``BlockStored`` confirms them or no request the router sent
-  there is in flight; ``StoreHistory``: block hash -> the replica that last stored it,
-  kept after removal (bounded). Both live in the ``BlockIndex``.
+* ``Speculation``: the blocks of requests the router sent to a replica, until its
+  ``BlockStored`` confirms them or no request the router sent there is in flight;
+  ``StoreHistory``: block hash -> the replica that last stored it, kept after removal
+  (bounded). Both live in the ``BlockIndex``.
 * ``PreciseRouter``: the request's block hashes (``kv_events.vllm_block_hashes`` at the
   replicas' block size, over the prompt but its last token, as vLLM caps a hit), the
   longest leading run of them each replica holds (continued through its expected blocks
@@ -55,7 +58,11 @@ scorer closes the same gap with speculative entries written at routing time
 llm-d/llm-d-inference-scheduler, pkg/epp/framework/plugins/scheduling/scorer/
 preciseprefixcache/README.md, read at commit 520af478). Here an entry lives until the
 event confirms it or the replica has nothing of this router's in flight (no clock, so a
-run is deterministic); an entry a failed request leaves lasts until then.
+run is deterministic); an entry a failed request leaves lasts until then. Blocks the
+replica held when the request was routed are expected too: a request still waiting for
+its prefill has not locked them, the replica may evict them meanwhile (the index then
+drops them), and its prefill stores them again; until then they stay credited where the
+request went, as the tree would credit them.
 
 Why affinity is off. It keeps a request no replica holds where its prefix last was, as
 the tree does when it credits a replica that has evicted; a choice neither production
@@ -70,7 +77,7 @@ on a match at or below ``cache_threshold`` (sglang-router 0.3.2
 `src/policies/cache_aware.rs: CacheAwarePolicy`, in ``select_worker``; its header comment
 says "smallest tree size"). ``benchmarks/kv_routing.py`` measures both steps.
 
-A restart is seen twice over: the connection closes when the old process ends (the
+A restart is seen twice over: the connection closes when the old process exits (the
 index is dropped then), and the new publisher's numbers start again from 0. vLLM's
 batches carry no publisher epoch, so without the first signal a router that misses every
 batch of a restarted replica until its numbers pass the old ones could not tell; the
@@ -159,11 +166,11 @@ class StoreHistory:
 
 
 class Speculation:
-    """Blocks a router expects replicas to store: those of the requests it routed there
-    that the replica did not hold yet. One goes when the replica's ``BlockStored``
-    confirms it (``confirm``), or when no request of this router is in flight there any
-    more or the replica was cleared (``drop``). ``extend(runs, hashes)``: each replica's
-    run of ``hashes`` continued through its expected blocks."""
+    """Blocks a router expects replicas to hold: those of the requests it routed there,
+    held already or to be stored by their prefill. One goes when the replica's
+    ``BlockStored`` confirms it (``confirm``), or when no request of this router is in
+    flight there any more or the replica was cleared (``drop``). ``extend(runs, hashes)``:
+    each replica's run of ``hashes`` continued through its expected blocks."""
 
     def __init__(self, num_replicas: int) -> None:
         self._sets: list[set[int | bytes]] = [set() for _ in range(num_replicas)]
@@ -470,8 +477,8 @@ class KVEventSubscriber:
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Read every batch and disconnect waiting (waiting up to ``timeout_ms`` for the
-        first); returns how many batches arrived. A replica's batches are read before its
-        disconnect, so what its old connection delivered is applied, then dropped."""
+        first); returns how many batches arrived. On a disconnect the replica's socket is
+        drained first, so that what its old connection delivered is applied, then dropped."""
         if not self._subs:
             return 0
         from zmq.utils.monitor import recv_monitor_message
@@ -485,24 +492,32 @@ class KVEventSubscriber:
                 return count
             for replica, (sub, monitor) in enumerate(zip(self._subs, self._monitors,
                                                           strict=True)):
-                while sub in ready:
-                    try:
-                        frames = sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    count += 1
-                    if len(frames) != 3 or len(frames[1]) != 8:
-                        self.feeds[replica].stats.bad_batches += 1
-                        continue
-                    self.receive(replica, int.from_bytes(frames[1], "big"), frames[2])
+                if sub in ready:
+                    count += self._drain(replica)
                 while monitor in ready:
                     try:
                         event = recv_monitor_message(monitor, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     if event["event"] == zmq.EVENT_DISCONNECTED:
+                        count += self._drain(replica)  # what the old connection delivered
                         self.disconnected(replica)
             wait = 0
+
+    def _drain(self, replica: int) -> int:
+        """Take every batch waiting on ``replica``'s SUB socket; returns how many."""
+        zmq, sub = self._zmq, self._subs[replica]
+        count = 0
+        while True:
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return count
+            count += 1
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.feeds[replica].stats.bad_batches += 1
+                continue
+            self.receive(replica, int.from_bytes(frames[1], "big"), frames[2])
 
     def sync(self, seqs: Sequence[int], timeout_ms: int = 5000) -> bool:
         """Poll until each replica's last batch received is ``seqs[r] - 1`` (``seqs``: each
@@ -607,7 +622,7 @@ class _RuleRouter(Router):
         self.loads[replica] += 1
         if self.speculative:
             hashes = self.hashes(ids)
-            self.speculation.add(replica, hashes[self.held(ids)[replica]:])
+            self.speculation.add(replica, hashes)
 
     def done(self, replica: int) -> None:
         super().done(replica)

@@ -457,7 +457,7 @@ def test_speculation_credits_what_was_routed_until_the_events_confirm_it():
     router = PreciseRouter(3, 4)  # speculative by default, affinity off
     router.index.stored(1, hashes[:2])
     assert router.route_ids(prompt) == 0  # 2 blocks = 8/33 tokens: a low match
-    assert router.index.speculation.size(0) == 8  # replica 0 held none of them
+    assert router.index.speculation.size(0) == 8  # all 8 blocks expected on replica 0
     assert router.route_ids(prompt) == 0 and router.decisions[-1].reason == "cache_hit"
     assert router.route_ids(prompt[:20] + [7] * 13) == 0  # its first 5 blocks expected on 0
     assert router.index.speculation.size(0) == 11  # and its last 3 are new
@@ -472,8 +472,10 @@ def test_speculation_credits_what_was_routed_until_the_events_confirm_it():
     router.done(0)
     assert router.index.speculation.size(0) == 0  # none: nothing more can be stored
     assert router.matched(prompt) == [16, 8, 0]
-    router.route_ids(prompt)  # goes to 0 (16 tokens > 0.3 * 33): blocks 4..7 expected
-    assert router.index.speculation.size(0) == 4
+    router.route_ids(prompt)  # goes to 0 (16 tokens > 0.3 * 33): all 8 blocks expected,
+    assert router.index.speculation.size(0) == 8  # the 4 it holds too
+    router.index.removed(0, hashes[:2])  # evicted while the request waits for its prefill:
+    assert router.matched(prompt) == [32, 8, 0]  # still credited where the request went
     router.index.clear(0)  # a restart or AllBlocksCleared drops them too
     assert router.index.speculation.size(0) == 0 and router.matched(prompt) == [0, 8, 0]
     off = PreciseRouter(3, 4, speculative=False)
