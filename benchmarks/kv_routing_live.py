@@ -13,7 +13,11 @@ workload (6 tenants' long system prompts; 800-token pools hold about three promp
 ``stream_options.include_usage``), ``--concurrency`` at a time, in order; in the
 ``restart`` workload, once half of them are answered, replica 0's process is stopped (by
 its pid) and started again on the same ports, with an empty cache and its event numbers
-from 0. The policies:
+from 0; in the ``two_routers`` workload (after ``kv_routing.py``'s), the requests are dealt
+alternately to two routers of the same policy in front of the same replicas: request
+``k`` goes through router ``k % 2``, each router sees half the traffic and counts only
+its own load (on the same replicas, which evict as in ``eviction``; no restart).
+The policies:
 
 * ``round_robin``: the client deals requests to the replicas in turn;
 * ``sglang``: SGLang's router (sglang-router 0.3.2, started as ``tools/router_demo.py``
@@ -23,6 +27,19 @@ from 0. The policies:
   by ``KVEventSubscriber`` from the replicas' live events; the client picks a replica
   with ``route_ids`` on the prompt's token ids and posts to it, and calls ``done`` when
   the response ends.
+
+In ``two_routers``, ``round_robin`` is unchanged (the client deals the requests in turn);
+``sglang`` is two routers started alike (``start_router`` twice, the same settings and
+worker URLs, each on its own ports), with nothing between them: sglang-router 0.3.2's
+mesh, which syncs routers' state, is off unless its Rust binary is started with
+``--enable-mesh`` (sglang-router 0.3.2 `src/main.rs: CliArgs.enable_mesh`, default
+false), and the Python launcher starts none (sglang-router 0.3.2
+`bindings/python/src/lib.rs: Router.start` passes ``mesh_server_config: None``); the
+client posts request ``k`` to router ``k % 2``; both are stopped by their pids at the end,
+also on failure. ``precise`` is two ``PreciseRouter`` objects, each with its own
+``KVEventSubscriber`` on the same replicas' event sockets (each reads every event);
+request ``k`` is routed by router ``k % 2`` (``route_ids`` under the client's lock) and
+``done`` is called on that router when its response ends.
 
 Every policy gets fresh replicas (empty caches). Per policy, from the responses: hit
 tokens (``usage.prompt_tokens_details.cached_tokens`` summed), prompt tokens
@@ -99,13 +116,15 @@ is the same, and what had to be settled:
                   "concurrency": int, "max_new_tokens": int, "balance_abs": int,
                   "balance_rel": float, "cache_threshold": float, "seed": int},
      "policies": [str, ...],
-     "workloads": {"eviction" | "restart": {"<policy>": {
+     "workloads": {"eviction" | "restart" | "two_routers": {"<policy>": {
          "prompt_tokens": int, "hit_tokens": int, "hit_rate": float,
          "ttft_ms_median": float, "ttft_ms_p90": float,
          "per_replica": [int, ...], "spread_mean": float, "spread_max": int,
          "outputs_equal": int, "requests": int, "seconds": float,
          "feed": {str: int} | null,       # precise: the subscriber's FeedStats totals
+                                          # (two_routers: over both subscribers)
          "reasons": {str: int} | null,    # precise: its decisions by reason
+                                          # (two_routers: over both routers)
          "credited_but_gone": int | null,  # precise: cache-hit routes whose response
                                            # found fewer tokens cached than credited
          "restart_seconds": float | null,  # restart: replica 0 down until serving
@@ -164,7 +183,7 @@ from minirt.request import chat_prompt_ids  # noqa: E402
 from minirt.serve import ServerProcess, launch  # noqa: E402
 
 POLICIES = ("round_robin", "sglang", "precise")
-SCENARIOS = ("eviction", "restart")
+SCENARIOS = ("eviction", "restart", "two_routers")
 
 
 @dataclass
@@ -348,13 +367,18 @@ def post(client: httpx.Client, url: str, messages, args, sent: Sent) -> None:
 
 
 def run(policy: str, scenario: str, jobs, args, vllm: VllmReplica | None = None) -> Result:
-    """Fresh replicas, the policy's router, every job sent; every process stopped.
+    """Fresh replicas, the policy's router(s), every job sent; every process stopped.
     ``restart``: once half the jobs are sent and answered, replica 0's process is stopped
     and a new one started on the same three ports (an empty cache; its events number
     from 0 again); for SGLang's router, the run goes on once its health check reports
-    every worker healthy again."""
+    every worker healthy again. ``two_routers``: two routers of the policy (two SGLang
+    routers, or two precise routers with a subscriber each), job ``k`` through router
+    ``k % 2``."""
     servers, ports = start_replicas(args, vllm)
-    router = sub = None
+    n_routers = 2 if scenario == "two_routers" else 1
+    routers: list = []  # SGLang's router processes
+    subs: list[KVEventSubscriber] = []
+    precise: list[PreciseRouter] = []
     result = Result(policy)
     try:
         urls = [s.url for s in servers]
@@ -362,14 +386,17 @@ def run(policy: str, scenario: str, jobs, args, vllm: VllmReplica | None = None)
                 "balance_abs_threshold": args.balance_abs,
                 "balance_rel_threshold": args.balance_rel}
         if policy == "sglang":
-            router = start_router(args.router_python, [s.base for s in servers],
-                                  "cache_aware", settings=rule)
-        precise = None
+            for _ in range(n_routers):  # alike, on their own ports, nothing between them
+                routers.append(start_router(args.router_python, [s.base for s in servers],
+                                            "cache_aware", settings=rule))
         if policy == "precise":
             sources = [EventSource(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
                        for _, pub, replay in ports]
-            sub = KVEventSubscriber(BlockIndex(len(servers)), sources, block_size=args.page)
-            precise = PreciseRouter(len(servers), args.page, subscriber=sub, **rule)
+            for _ in range(n_routers):  # each its own subscriber on the same sockets
+                subs.append(KVEventSubscriber(BlockIndex(len(servers)), sources,
+                                              block_size=args.page))
+                precise.append(PreciseRouter(len(servers), args.page, subscriber=subs[-1],
+                                             **rule))
             time.sleep(0.3)  # the SUB sockets connect
         lock = threading.Lock()
         slots = threading.Semaphore(args.concurrency)
@@ -379,25 +406,26 @@ def run(policy: str, scenario: str, jobs, args, vllm: VllmReplica | None = None)
             sent = result.sent[k]
             try:
                 if policy == "sglang":
-                    post(client, router.url, messages, args, sent)
+                    post(client, routers[k % n_routers].url, messages, args, sent)
                 else:
+                    router = precise[k % n_routers] if precise else None
                     with lock:
-                        if precise is None:
+                        if router is None:
                             replica = k % len(servers)
                         else:
-                            held = precise.held(job.ids)
-                            replica = precise.route_ids(job.ids)
+                            held = router.held(job.ids)
+                            replica = router.route_ids(job.ids)
                             sent.indexed = held[replica] * args.page
-                            d = precise.decisions[-1]
+                            d = router.decisions[-1]
                             sent.reason = d.reason
                             if d.reason == "cache_hit":
                                 sent.credited = round(d.match_rate * len(job.ids))
                     try:
                         post(client, urls[replica], messages, args, sent)
                     finally:
-                        if precise is not None:
+                        if router is not None:
                             with lock:
-                                precise.done(replica)
+                                router.done(replica)
                 if sent.prompt_tokens != len(job.ids):
                     raise RuntimeError(f"{job.rid}: the server counted {sent.prompt_tokens} "
                                        f"prompt tokens, the client hashed {len(job.ids)}")
@@ -414,7 +442,7 @@ def run(policy: str, scenario: str, jobs, args, vllm: VllmReplica | None = None)
                 if scenario == "restart" and k == len(jobs) // 2:
                     for _ in range(args.concurrency):  # every request so far answered
                         slots.acquire()
-                    result.restart_seconds = restart(servers, ports, router, args)
+                    result.restart_seconds = restart(servers, ports, routers, args)
                     for _ in range(args.concurrency):
                         slots.release()
                 slots.acquire()
@@ -424,14 +452,15 @@ def run(policy: str, scenario: str, jobs, args, vllm: VllmReplica | None = None)
         result.seconds = time.perf_counter() - start
         if errors:
             raise errors[0]
-        if sub is not None:
-            totals = sub.totals()
-            result.feed = {name: int(getattr(totals, name)) for name in vars(totals)}
-            result.reasons = dict(Counter(d.reason for d in precise.decisions))
+        if subs:
+            totals = [sub.totals() for sub in subs]
+            result.feed = {name: int(sum(getattr(t, name) for t in totals))
+                           for name in vars(totals[0])}
+            result.reasons = dict(Counter(d.reason for r in precise for d in r.decisions))
     finally:
-        if sub is not None:
+        for sub in subs:
             sub.close()
-        if router is not None:
+        for router in routers:
             router.stop()
         for s in servers:
             if s is not vllm:  # kept for the next policy; main stops it
@@ -439,15 +468,16 @@ def run(policy: str, scenario: str, jobs, args, vllm: VllmReplica | None = None)
     return result
 
 
-def restart(servers: list[ServerProcess], ports, router, args) -> float:
-    """Stop replica 0 by its pid and start it again, empty, on the same ports."""
+def restart(servers: list[ServerProcess], ports, routers: list, args) -> float:
+    """Stop replica 0 by its pid and start it again, empty, on the same ports; wait until
+    every SGLang router in ``routers`` reports every worker healthy."""
     start = time.perf_counter()
     servers[0].stop()
     servers[0] = start_replica(0, args, ports[0])
-    if router is not None:
-        time.sleep(2)  # its health check (every 1 s) has seen the new process
+    if routers:
+        time.sleep(2)  # their health checks (every 1 s) have seen the new process
         deadline = time.monotonic() + 60
-        while not all(w["is_healthy"] for w in router.workers()):
+        while not all(w["is_healthy"] for router in routers for w in router.workers()):
             if time.monotonic() > deadline:
                 raise TimeoutError("the router did not see replica 0 healthy again in 60 s")
             time.sleep(0.2)
@@ -501,6 +531,9 @@ def summary(r: Result, base: Result, replicas: int, vllm_name: str | None = None
 
 def report(scenario: str, rows: dict[str, dict]) -> None:
     print(f"\n{scenario}")
+    if scenario == "two_routers":
+        print("(two routers of each policy, request k through router k % 2; the precise "
+              "row's decisions and feed add up both routers')")
     print(f"{'policy':<12} {'hit tokens':>10} {'of prompt':>9} {'hit rate':>8} "
           f"{'TTFT med ms':>11} {'TTFT p90 ms':>11} {'per replica':>12} {'spread':>6} "
           f"{'outputs':>8}")
