@@ -19,10 +19,8 @@ depends on timing and is not asserted.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import psutil
@@ -32,16 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ROUTER_PYTHON = os.environ.get("ROUTER_PYTHON", str(ROOT / ".venv-router" / "bin" / "python"))
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 REQUESTS = 18
-
-
-@pytest.fixture(scope="module")
-def live():
-    spec = importlib.util.spec_from_file_location("kv_routing_live",
-                                                  ROOT / "benchmarks" / "kv_routing_live.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kv_routing_live"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
