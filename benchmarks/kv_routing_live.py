@@ -413,9 +413,10 @@ def run(policy: str, scenario: str, jobs, args, vllm: VllmReplica | None = None)
                         if router is None:
                             replica = k % len(servers)
                         else:
-                            held = router.held(job.ids)
                             replica = router.route_ids(job.ids)
-                            sent.indexed = held[replica] * args.page
+                            # the events-only run the decision saw (no poll since)
+                            blocks = router.index.match(router.hashes(job.ids))[replica]
+                            sent.indexed = blocks * args.page
                             d = router.decisions[-1]
                             sent.reason = d.reason
                             if d.reason == "cache_hit":
