@@ -29,7 +29,8 @@ worth of tokens per call (as a server making room), timed as "eviction".
 The workloads: the book's chat, few-shot and RAG workloads, shared system prompts,
 random unrelated requests (also handed to minirt as int64 tensors, the form an engine
 holds its ids in, given as they are to both its match and its insert, which each check
-them), and Mooncake's production
+them; and 3,000 of 8 tokens, where a request costs its calls and little else), and
+Mooncake's production
 traces (``minirt.traces``: the conversation and synthetic traces), whole at
 ``--block-size`` tokens per hash id (16 by default) and their first
 ``--full-block-requests`` requests at 512, the traces' own block, where a request is
@@ -413,6 +414,7 @@ def memory_costs(trace: Trace, repeats: int) -> dict[str, float]:
         "minirt: TokenIds (copy + sign check)": lambda a, s: TokenIds(a),
         "minirt: slots sign check + copy": lambda a, s: slots_check_then_copy(s),
         "minirt: slots sign check alone": lambda a, s: bool(np.asarray(s).min(initial=0) >= 0),
+        "both copies, unchecked (for scale)": lambda a, s: (a.tobytes(), s.numpy().tobytes()),
     }
     out = {}
     for name, step in steps.items():
@@ -465,11 +467,11 @@ def system_prompt_trace(systems: int = 20, conversations: int = 100, turns: int 
 
 
 def random_trace(num: int = 2000, lo: int = 200, hi: int = 2000, vocab: int = 49152,
-                 seed: int = 1, tensor_ids: bool = False) -> Trace:
+                 seed: int = 1, tensor_ids: bool = False, name: str = "random") -> Trace:
     """``num`` unrelated requests of ``lo``..``hi`` random tokens: almost nothing to share.
     ``tensor_ids``: minirt is handed each request's ids as an int64 tensor."""
     rng = random.Random(seed)
-    return Trace("random, tensor ids" if tensor_ids else "random",
+    return Trace(f"{name}, tensor ids" if tensor_ids else name,
                  [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
                   for _ in range(num)], tensor_ids)
 
@@ -526,6 +528,7 @@ def main() -> int:
     else:
         traces = [] if args.only_production else [*book_traces(4), system_prompt_trace()]
         traces += [random_trace(), random_trace(tensor_ids=True),
+                   random_trace(3000, 8, 8, name="random, 8 tokens"),
                    *production_traces(args.block_size)]
         if args.full_block_requests:
             traces += production_traces(512, args.full_block_requests)
