@@ -29,7 +29,7 @@ worth of tokens per call (as a server making room), timed as "eviction".
 The workloads: the book's chat, few-shot and RAG workloads, shared system prompts,
 random unrelated requests (also handed to minirt as int64 tensors, the form an engine
 holds its ids in, given as they are to both its match and its insert, which each check
-them; and 3,000 of 8 tokens, where a request costs its calls and little else), and
+them; and 3,000 of 16 tokens, where a request costs its calls and little else), and
 Mooncake's production
 traces (``minirt.traces``: the conversation and synthetic traces), whole at
 ``--block-size`` tokens per hash id (16 by default) and their first
@@ -528,7 +528,7 @@ def main() -> int:
     else:
         traces = [] if args.only_production else [*book_traces(4), system_prompt_trace()]
         traces += [random_trace(), random_trace(tensor_ids=True),
-                   random_trace(3000, 8, 8, name="random, 8 tokens"),
+                   random_trace(3000, 16, 16, name="random, 16 tokens"),
                    *production_traces(args.block_size)]
         if args.full_block_requests:
             traces += production_traces(512, args.full_block_requests)
