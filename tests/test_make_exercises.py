@@ -141,3 +141,14 @@ def test_exercise_keeps_the_kernelspec_and_drops_widget_state():
     assert out.metadata["kernelspec"]["name"] == "python3"
     assert out.metadata["language_info"] == {"name": "python"}
     assert "widgets" not in out.metadata
+
+
+def test_an_answer_cell_loses_its_declared_numbers_and_a_question_keeps_them():
+    answer = "Prediction:\n### BEGIN SOLUTION\nAbove half: 0.66 of them.\n### END SOLUTION"
+    nb = _notebook("x = 1", markdown=answer)
+    nb.cells[-1].metadata["prose_numbers"] = ["half 0.66 of them"]
+    nb.cells[0].metadata["prose_numbers"] = ["exercise 1.1 a title"]
+    ex = mx.make_exercise(nb, chapter=1)
+    assert "0.66" not in ex.cells[-1].source
+    assert "prose_numbers" not in ex.cells[-1].metadata  # it would give the answer away
+    assert ex.cells[0].metadata["prose_numbers"] == ["exercise 1.1 a title"]

@@ -80,7 +80,11 @@ def make_exercise(solution: nbformat.NotebookNode, chapter: int | str) -> nbform
             headings = HEADING.findall(cell.source)
             if headings:
                 label = headings[-1]
-            cell.source = strip_regions(cell.source, chapter, counter, markdown=True)
+            stripped = strip_regions(cell.source, chapter, counter, markdown=True)
+            if stripped != cell.source:  # the answer's numbers, declared, would give it away
+                cell.metadata.pop("prose_numbers", None)
+                cell.metadata.pop("prose_numbers_baseline", None)
+            cell.source = stripped
     nb.metadata.pop("widgets", None)
     return nb
 
