@@ -346,8 +346,9 @@ class KVEventSubscriber:
                 raise RouterError(f"{len(self.sources)} event sources for "
                                   f"{index.num_replicas} replicas")
             import zmq
+            from zmq.utils.monitor import recv_monitor_message
 
-            self._zmq = zmq
+            self._zmq, self._recv_monitor = zmq, recv_monitor_message
             self._ctx = context or zmq.Context.instance()
             self._poller = zmq.Poller()
             for source in self.sources:
@@ -481,9 +482,7 @@ class KVEventSubscriber:
         drained first, so that what its old connection delivered is applied, then dropped."""
         if not self._subs:
             return 0
-        from zmq.utils.monitor import recv_monitor_message
-
-        zmq = self._zmq
+        zmq, recv_monitor_message = self._zmq, self._recv_monitor
         count = 0
         wait = timeout_ms
         while True:
