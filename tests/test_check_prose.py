@@ -6,20 +6,16 @@ into the fixed notebooks (in memory) and must be flagged.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("check_prose", ROOT / "tools" / "check_prose.py")
-cp = importlib.util.module_from_spec(_spec)
-sys.modules["check_prose"] = cp          # dataclasses look their module up
-_spec.loader.exec_module(cp)
+cp = load_script("tools/check_prose.py", "check_prose")
 
 
 def _load(rel: str):

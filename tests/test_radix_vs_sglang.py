@@ -7,29 +7,17 @@ it once and skips only if that fails (no network).
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_loader import forget_script, load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "radix_vs_sglang", ROOT / "benchmarks" / "radix_vs_sglang.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    yield module
-    del sys.modules[spec.name]
+    yield load_script("benchmarks/radix_vs_sglang.py", "radix_vs_sglang")
+    forget_script("radix_vs_sglang")
 
 
 @pytest.fixture(scope="module")

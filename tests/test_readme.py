@@ -5,11 +5,12 @@ README is the site's home page (``site/conf.py``'s ``include_patterns``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatch
 from pathlib import Path
+
+from script_loader import forget_script, load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -40,10 +41,8 @@ def dead_links(text: str, exists: Callable[[str], bool], pages: Iterable[str]) -
 
 def site_pages() -> list[str]:
     """``include_patterns`` of the site's Sphinx configuration, read from site/conf.py."""
-    spec = importlib.util.spec_from_file_location("_site_conf_for_readme", ROOT / "site" /
-                                                  "conf.py")
-    conf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conf)
+    conf = load_script("site/conf.py", "_site_conf_for_readme")
+    forget_script("_site_conf_for_readme")
     return conf.include_patterns
 
 

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
+from script_loader import load_script
 
 from minirt.engine import Engine
 from minirt.engine_worker import TextDeltas
@@ -397,7 +398,6 @@ def test_disconnect_cancels_a_whole_answer_request_whatever_the_token_rate(tiny_
 def test_the_step_log_accounts_for_every_request_and_token(tiny_server):
     """--step-log: a JSON line per engine step; over two requests sent together, the lines
     admit both once, carry every token they were sent, and time each part of the step."""
-    import importlib.util
     from pathlib import Path
 
     base, worker = tiny_server
@@ -421,10 +421,7 @@ def test_the_step_log_accounts_for_every_request_and_token(tiny_server):
     assert all(s["admit_s"] + s["forward_s"] <= s["step_s"] for s in steps)
     assert all(b["start"] >= a["start"] + a["step_s"]
                for a, b in zip(steps, steps[1:], strict=False))
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_log.py"
-    spec = importlib.util.spec_from_file_location("step_log", script)
-    step_log = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step_log)
+    step_log = load_script("benchmarks/step_log.py", "step_log")
     assert step_log.bursts(steps, gap=60.0) == [steps]
     rows = {what: (n, seconds) for what, n, seconds in step_log.summary(steps)}
     admitting = [s for s in steps if s["admitted"]]

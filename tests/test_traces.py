@@ -9,6 +9,7 @@ import hashlib
 import json
 
 import pytest
+from script_loader import load_script
 
 from minirt.errors import MinirtError, TraceError
 from minirt.traces import (
@@ -230,14 +231,7 @@ def test_unique_tokens_of_the_shipped_trace_against_brute_force_on_its_head():
 
 
 def _bench():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "traces.py"
-    spec = importlib.util.spec_from_file_location("bench_traces", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/traces.py", "bench_traces")
 
 
 @pytest.mark.parametrize("name", sorted(TRACES))

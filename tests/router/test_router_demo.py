@@ -10,12 +10,11 @@ loses no answered request, and no process outlives the demo.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER_PYTHON = os.environ.get("ROUTER_PYTHON", str(ROOT / ".venv-router" / "bin" / "python"))
@@ -23,11 +22,7 @@ ROUTER_PYTHON = os.environ.get("ROUTER_PYTHON", str(ROOT / ".venv-router" / "bin
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("router_demo", ROOT / "tools" / "router_demo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["router_demo"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/router_demo.py", "router_demo")
 
 
 @pytest.fixture(scope="module")
