@@ -131,8 +131,9 @@ def vllm_cells(spec: dict, max_new: int) -> dict:
     return {(c["workload"], c["batch"]): c for c in record["cells"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_cell_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments that pick the cells and the speculator: this script's and
+    ``speculative_vllm.py``'s, so that the two runs can be asked for the same cells."""
     ap.add_argument("--workloads", nargs="+", default=["rag", "code_edit", "chat"],
                     choices=["rag", "code_edit", "chat"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
@@ -140,13 +141,23 @@ def main() -> None:
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=2)
+
+
+def check_batches(batches: list[int]) -> None:
+    """Exit with a message unless every batch size has its prompts (16 a workload)."""
+    if any(not 1 <= b <= 16 for b in batches):
+        sys.exit("--batches: each between 1 and 16 (16 prompts per workload)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_cell_args(ap)
     ap.add_argument("--draft-batches", nargs="*", type=int, default=[1],
                     help="batch sizes that also get a draft-model row (the target itself)")
-    ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
-    if any(not 1 <= b <= 16 for b in args.batches):
-        sys.exit("--batches: each between 1 and 16 (16 prompts per workload)")
+    check_batches(args.batches)
     model = timing_model(args.threads)
     tokenizer = default_tokenizer()
     spec = {"num_speculative_tokens": args.num_speculative_tokens,

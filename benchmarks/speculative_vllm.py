@@ -187,15 +187,10 @@ def side_main(side: str, job_file: str, out_file: str) -> None:
 
 
 def main() -> None:
+    from speculative import add_cell_args, check_batches, workloads
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", nargs="+", default=["rag", "code_edit", "chat"],
-                    choices=["rag", "code_edit", "chat"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
-    ap.add_argument("--max-new", type=int, default=48)
-    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--lookup-min", type=int, default=2)
-    ap.add_argument("--lookup-max", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=2)
+    add_cell_args(ap)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--side", nargs=3, metavar=("SIDE", "JOB", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -205,10 +200,8 @@ def main() -> None:
     if args.side:
         side_main(*args.side)
         return
-    if any(not 1 <= b <= 16 for b in args.batches):
-        sys.exit("--batches: each between 1 and 16 (16 prompts per workload)")
+    check_batches(args.batches)
     import vllm
-    from speculative import workloads
 
     from minirt.model import fetch_default_model
     from minirt.workloads import default_tokenizer
