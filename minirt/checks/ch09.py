@@ -50,7 +50,7 @@ BREAK_EVEN_CASES = [
     (100.0, 4.0, 3.0, 0.5, 0),  # attention makes recompute grow faster than any copy
     (100.0, 4.0, 3.0, 0.5, 40),  # ... and sooner after a long cached prefix
     (0.0, 1.0, 2.0, 0.0, 0),  # no latency: one token already pays
-    (20e-6, 22e-6, 1.4e-3, 0.0, 0),  # a CPU: load-back ~22 us/token, prefill ~1-2 ms/token
+    (20e-6, 22e-6, 1.4e-3, 0.0, 0),  # a CPU: load-back tens of us/token, prefill ~1-2 ms/token
     (50e-6, 0.4e-6, 1e-6, 1e-10, 4096),  # a GPU over PCIe: prefill is fast, copies are not
     (1e-3, 2e-6, 1e-6, 1e-9, 0),  # copying is slower per token; attention decides late
 ]
