@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from eagle_reference import eagle_hits, lcp
 from exercise_util import rejects
 
 from minirt.checks import ch13
@@ -29,28 +30,6 @@ def slots_to_free(cached_len, num_private, kv_len, page_size):
 
 def tokens_per_step(alpha, k):
     return float(sum(alpha ** i for i in range(k + 1)))
-
-
-def _lcp(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def eagle_hits(requests, block_size, rule):
-    hits = []
-    for i, ids in enumerate(requests):
-        best = 0
-        for earlier in requests[:i]:
-            shared = _lcp(ids, earlier)
-            if rule == "lookahead":
-                n = min(shared - 1, len(ids) - 1, len(earlier) - 1)
-            else:
-                n = min(shared, len(ids) - 1, len(earlier))
-            best = max(best, n // block_size * block_size)
-        hits.append(max(0, best - block_size) if rule == "drop" else best)
-    return hits
 
 
 # --------------------------------------------------------------------------- 13.1
@@ -153,7 +132,7 @@ def eagle_lookahead_is_plain(requests, block_size, rule):  # the successor not c
 def eagle_no_cap(requests, block_size, rule):  # a request may hit all of its tokens
     hits = []
     for i, ids in enumerate(requests):
-        best = max((min(_lcp(ids, e), len(ids)) // block_size * block_size
+        best = max((min(lcp(ids, e), len(ids)) // block_size * block_size
                     for e in requests[:i]), default=0)
         hits.append(max(0, best - block_size) if rule == "drop" else best)
     return hits
