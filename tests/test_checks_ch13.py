@@ -144,6 +144,14 @@ def eagle_drop_a_token(requests, block_size, rule):  # drops one token, not one 
         eagle_hits(requests, block_size, rule)
 
 
-@pytest.mark.parametrize("wrong", [eagle_lookahead_is_plain, eagle_no_cap, eagle_drop_a_token])
+def eagle_lookahead_inside_the_cap(requests, block_size, rule):  # the next token too in ids[:-1]
+    if rule != "lookahead":
+        return eagle_hits(requests, block_size, rule)
+    return [max((min(lcp(ids, e) - 1, len(ids) - 2, len(e) - 1) // block_size * block_size
+                 for e in requests[:i]), default=0) for i, ids in enumerate(requests)]
+
+
+@pytest.mark.parametrize("wrong", [eagle_lookahead_is_plain, eagle_no_cap, eagle_drop_a_token,
+                                   eagle_lookahead_inside_the_cap])
 def test_eagle_hits_rejects(wrong):
     rejects(ch13.check_eagle_hits, wrong, "13.4")

@@ -127,7 +127,8 @@ def _eagle_streams() -> list[tuple[list[list[int]], int]]:
     a = list(range(10, 42))
     streams = [([a, a + [7, 8, 9], a[:16] + [1] + a[17:]], 16),
                ([a + [7], a + [7, 8, 9]], 16),
-               ([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4, 5]], 2)]
+               ([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4, 5]], 2),
+               ([[1, 2, 3, 4, 5], [1, 2, 3]], 2)]  # the token after a block: the last one
     rng = random.Random(134)
     stems = [[rng.randrange(_VOCAB) for _ in range(rng.randrange(4, 70))] for _ in range(3)]
     stream = []
@@ -153,4 +154,4 @@ def check_eagle_hits(eagle_hits: Callable[[list[list[int]], int, str], list[int]
             got = call_reader(what, eagle_hits, [list(r) for r in requests], block_size, rule)
             expect_per_request(what, got, replay_hits(requests, block_size, rule, _VOCAB),
                                requests, "hits")
-    passed("13.4", "both rules on six streams")
+    passed("13.4", "both rules on seven streams")
