@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from brute_force import lcp
 from exercise_util import accepts, rejects
 
 import minirt.checks as checks
@@ -11,17 +12,10 @@ from minirt.checks import ch00
 # ---------------------------------------------------------------- Exercise 0.1
 
 
-def _lcp(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def keep_last_right(requests):
     total, kept = 0, []
     for r in requests:
-        total += len(r) - _lcp(r, kept)
+        total += len(r) - lcp(r, kept)
         kept = r
     return total
 
@@ -31,7 +25,7 @@ def keep_last_any_earlier(requests):  # reuses from every earlier request: the u
 
 
 def keep_last_first_only(requests):  # keeps the first request forever
-    return sum(len(r) - _lcp(r, requests[0]) for r in requests[1:]) + (
+    return sum(len(r) - lcp(r, requests[0]) for r in requests[1:]) + (
         len(requests[0]) if requests else 0)
 
 

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from brute_force import lcp
 from exercise_util import accepts, rejects
 
 from minirt import checks
@@ -47,13 +48,6 @@ def test_causal_mask_rejects(fn, words):
 # ---- Exercise 1.2 -------------------------------------------------------------------------
 
 
-def _lcp(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def equal_ok(a, b, num_layers):
     sig_a, sig_b = [(t,) for t in a], [(t,) for t in b]
     out = []
@@ -65,7 +59,7 @@ def equal_ok(a, b, num_layers):
 
 
 def equal_common_prefix(a, b, num_layers):  # the chapter's rule at every layer, layer 0 too
-    return [list(range(_lcp(a, b)))] * (num_layers + 1)
+    return [list(range(lcp(a, b)))] * (num_layers + 1)
 
 
 def equal_same_token(a, b, num_layers):  # ignores the context entirely
@@ -73,7 +67,7 @@ def equal_same_token(a, b, num_layers):  # ignores the context entirely
 
 
 def equal_prefix_after_layer_0(a, b, num_layers):  # right at layer 0, then the common prefix
-    return [equal_same_token(a, b, 0)[0]] + [list(range(_lcp(a, b)))] * num_layers
+    return [equal_same_token(a, b, 0)[0]] + [list(range(lcp(a, b)))] * num_layers
 
 
 def equal_ordered_context(a, b, num_layers):  # treats the context as a sequence, not a multiset

@@ -6,6 +6,7 @@ import hashlib
 
 import pytest
 import torch
+from brute_force import lcp
 from exercise_util import rejects
 
 from minirt.checks import ch03
@@ -71,13 +72,6 @@ def hash_reuse(cached, ids, block):
             break
         reused += block
     return reused
-
-
-def lcp(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def aligned_hits(requests, page_size):

@@ -4,6 +4,7 @@ repeated failure adds a nudge."""
 from __future__ import annotations
 
 import pytest
+from brute_force import lcp
 
 import minirt.checks as checks
 from minirt.checks._common import CheckFailure, reset_attempts
@@ -160,25 +161,18 @@ def test_mm_message_names_the_first_block_that_differs():
 # ---------------------------------------------------------------- Exercise 8.2
 
 
-def _common(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def hit_right(cached, prompt, bs):
     ids = prompt[:-1]
-    return max((min(_common(p, ids), len(p) // bs * bs) // bs * bs for p in cached), default=0)
+    return max((min(lcp(p, ids), len(p) // bs * bs) // bs * bs for p in cached), default=0)
 
 
 def hit_whole_prompt(cached, prompt, bs):  # forgets that the last token is computed
-    return max((min(_common(p, prompt), len(p) // bs * bs) // bs * bs for p in cached),
+    return max((min(lcp(p, prompt), len(p) // bs * bs) // bs * bs for p in cached),
                default=0)
 
 
 def hit_token_level(cached, prompt, bs):  # counts tokens, like a radix cache of page 1
-    return max((_common(p, prompt[:-1]) for p in cached), default=0)
+    return max((lcp(p, prompt[:-1]) for p in cached), default=0)
 
 
 def hit_blockwise(cached, prompt, bs):  # compares blocks alone, as if hashes did not chain

@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 
 import pytest
+from brute_force import lcp
 
 import minirt.checks as checks
 from minirt.checks._common import reset_attempts
@@ -131,13 +132,6 @@ def test_replication_hint_names_the_kind_of_mistake(wrong, nudge):
 
 # ---------------------------------------------------------------- Exercise 9.2
 
-def _lcp(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def _make_router(at_least=False, either=False, latest=False, no_balance=False):
     def fn(events, n, threshold, abs_t, rel_t):
         loads, sent, out = [0] * n, [], []
@@ -150,7 +144,7 @@ def _make_router(at_least=False, either=False, latest=False, no_balance=False):
             if not no_balance and ((gap or ratio) if either else (gap and ratio)):
                 r = loads.index(lo)
             else:
-                best = max((_lcp(t, arg) for _, t in sent), default=0)
+                best = max((lcp(t, arg) for _, t in sent), default=0)
                 rate = best / len(arg) if arg else 0.0
                 if best and (rate >= threshold if at_least else rate > threshold):
                     holders = [rep for rep, t in sent if t[:best] == arg[:best]]

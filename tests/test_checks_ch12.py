@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from brute_force import lcp
 from exercise_util import rejects
 
 from minirt.checks import ch12
@@ -20,19 +21,12 @@ def _ids(tokenizer, messages, generation_prompt=True):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _lcp(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 # --------------------------------------------------------------------------- references
 # (the same code as solutions/12_hit_rate.ipynb)
 
 
 def part_at(tokenizer, a, b):
-    return _lcp(_ids(tokenizer, a), _ids(tokenizer, b))
+    return lcp(_ids(tokenizer, a), _ids(tokenizer, b))
 
 
 def stable_messages(stamp, question):
@@ -43,7 +37,7 @@ def stable_messages(stamp, question):
 def block_loss(requests, block_size):
     out = []
     for i, ids in enumerate(requests):
-        hit = max((_lcp(ids, requests[j]) for j in range(i)), default=0)
+        hit = max((lcp(ids, requests[j]) for j in range(i)), default=0)
         out.append(hit % block_size)
     return out
 
@@ -55,7 +49,7 @@ def retokenized_at(tokenizer, question, reply_ids):
     cached = _ids(tokenizer, asked) + body + [end]
     following = _ids(tokenizer, asked + [{"role": "assistant", "content": tokenizer.decode(body)},
                                          {"role": "user", "content": "Thanks."}])
-    n = _lcp(cached, following)
+    n = lcp(cached, following)
     return None if n == len(cached) else n
 
 
@@ -71,18 +65,18 @@ def test_part_at_accepts_the_reference(capsys):
 def part_at_characters(tokenizer, a, b):  # characters of the rendered text, not tokens
     ta = tokenizer.apply_chat_template(a, tokenize=False, add_generation_prompt=True)
     tb = tokenizer.apply_chat_template(b, tokenize=False, add_generation_prompt=True)
-    return _lcp(ta, tb)
+    return lcp(ta, tb)
 
 
 def part_at_no_template(tokenizer, a, b):  # the messages' contents alone
     def ids(messages):
         return [t for m in messages
                 for t in tokenizer(m["content"], add_special_tokens=False)["input_ids"]]
-    return _lcp(ids(a), ids(b))
+    return lcp(ids(a), ids(b))
 
 
 def part_at_no_generation_prompt(tokenizer, a, b):  # forgets the assistant prompt
-    return _lcp(_ids(tokenizer, a, False), _ids(tokenizer, b, False))
+    return lcp(_ids(tokenizer, a, False), _ids(tokenizer, b, False))
 
 
 @pytest.mark.parametrize("wrong", [part_at_characters, part_at_no_template,
@@ -130,14 +124,14 @@ def test_block_loss_accepts_the_reference(capsys):
 
 
 def block_loss_previous_only(requests, block_size):  # compares with the one before only
-    return [0] + [_lcp(requests[i], requests[i - 1]) % block_size
+    return [0] + [lcp(requests[i], requests[i - 1]) % block_size
                   for i in range(1, len(requests))]
 
 
 def block_loss_uncached(requests, block_size):  # counts every token whole blocks miss
     out = []
     for i, ids in enumerate(requests):
-        hit = max((_lcp(ids, requests[j]) for j in range(i)), default=0)
+        hit = max((lcp(ids, requests[j]) for j in range(i)), default=0)
         out.append(len(ids) - hit // block_size * block_size)
     return out
 
@@ -145,7 +139,7 @@ def block_loss_uncached(requests, block_size):  # counts every token whole block
 def block_loss_rounds_up(requests, block_size):  # partial blocks counted as whole
     out = []
     for i, ids in enumerate(requests):
-        hit = max((_lcp(ids, requests[j]) for j in range(i)), default=0)
+        hit = max((lcp(ids, requests[j]) for j in range(i)), default=0)
         out.append(-hit % block_size)
     return out
 
@@ -174,7 +168,7 @@ def retok_round_trip_alone(tokenizer, question, reply_ids):  # outside the templ
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     body = [t for t in reply_ids if t != end]
     again = tokenizer(tokenizer.decode(body), add_special_tokens=False)["input_ids"]
-    n = _lcp(body, again)
+    n = lcp(body, again)
     start = len(_ids(tokenizer, [{"role": "user", "content": question}]))
     return None if n == len(body) and len(again) == len(body) else start + n
 

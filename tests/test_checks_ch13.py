@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from eagle_reference import eagle_hits, lcp
+from brute_force import eagle_hits, lcp
 from exercise_util import rejects
 
 from minirt.checks import ch13

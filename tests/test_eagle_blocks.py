@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from eagle_reference import eagle_hits
+from brute_force import eagle_hits
 
 from minirt.eagle_blocks import RULES, EagleBlockCache, eagle_drop, lookahead_ids, replay_hits
 from minirt.errors import RequestError

@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+from brute_force import lcp
 
 from minirt.hitcheck import (
     BLOCK,
@@ -107,12 +108,6 @@ def test_bounds_agree_with_brute_force_on_random_id_prompts(tok):
                for _ in range(60)]
     report = run(tok, *({"prompt": p} for p in prompts), page_size=4, capacity=10**6)
 
-    def lcp(a, b):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
-
     for i, (p, r) in enumerate(zip(prompts, report.requests, strict=True)):
         best = max((lcp(p, q) for q in prompts[:i]), default=0)
         served = min(best, len(p) - 1) // 4 * 4
@@ -142,12 +137,6 @@ def test_the_bound_under_isolation_keys_agrees_with_brute_force(tok):
             obj["model"] = "m2"
         objs.append(obj)
     report = run(tok, *objs, capacity=10**6)
-
-    def lcp(a, b):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
 
     def key(o):
         return o.get("cache_salt"), o.get("model")

@@ -4,6 +4,7 @@ eviction, the baselines, bad settings, and replicas that serve what one engine s
 from __future__ import annotations
 
 import pytest
+from brute_force import lcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,13 +28,6 @@ from minirt.router import (
 )
 
 # ---------------------------------------------------------------- the reference
-
-
-def lcp(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def reference_pick(history: list[tuple[str, int]], loads: list[int], healthy: list[bool],

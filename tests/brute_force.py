@@ -1,13 +1,13 @@
-"""EAGLE's cache hits by brute force: the reference both minirt's ``eagle_blocks`` and
-exercise 13.4's checker are tested against."""
+"""Brute-force references the tests compare against: the longest common prefix, token by
+token, and EAGLE's cache hits (``minirt.eagle_blocks`` and exercise 13.4's checker)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 
-def lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
+def lcp(a: Sequence, b: Sequence) -> int:
+    """How many leading items (tokens, or characters) ``a`` and ``b`` share."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
