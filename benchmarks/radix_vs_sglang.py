@@ -15,16 +15,20 @@ their other imports (KV events and metrics off, as in SGLang's defaults).
 
 Per request, both caches do what a server does (timed as one "request path"): match
 the prompt, read the cached prefix's slot indices, lock the match, insert the whole
-sequence with fresh slots, unlock. Both are handed the same objects: the request's ids
-as an ``array('q')`` (SGLang's ``RadixKey`` type) and its fresh slots as an int64 tensor.
-minirt checks the ids once per request (``TokenIds``, inside the timing) and hands the
-checked ids to both its match and its insert; it checks the slots in its insert. Each
-keeps its own copy of what it caches: minirt copies the ids once (the checked copy,
-read-only, which the tree then shares) and the slots; SGLang clones the slots, and its
-insert key is a fresh slice of the request's ids, as its server path
-(``RadixCache.checkpoint``) makes it (handing it the trace's preallocated array would
-leave the cost of that memory out of its timing). Then the tree is evicted to empty, a request's
-worth of tokens per call (as a server making room), timed as "eviction".
+sequence with fresh slots, unlock. Each is handed its request as its own server holds
+it: the ids as an ``array('q')`` (SGLang's ``RadixKey`` type); the fresh slots as an
+int64 tensor for minirt (its ``PageTable.slots``) and as an int32 row for SGLang (its
+request's row of ``ReqToTokenPool.req_to_token``). minirt checks the ids once per
+request (``TokenIds``, inside the timing) and hands the checked ids to both its match
+and its insert; it checks the slots in its insert. Each keeps its own copy of what it
+caches: minirt copies the ids once (the checked copy, read-only, which the tree then
+shares) and the slots it keeps. SGLang's insert gets what its server path,
+sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.checkpoint, RadixCache._insert_cache`,
+hands it: the key a fresh slice of the request's ids
+(``req.full_untruncated_fill_ids[:up_to]``), the values the row as a fresh int64
+tensor (``kv_indices[:key_len].to(dtype=torch.int64, copy=True)``), whose new part the
+insert then clones. Then the tree is evicted to empty, a request's worth of tokens per
+call (as a server making room), timed as "eviction".
 
 The workloads: the book's chat, few-shot and RAG workloads, shared system prompts,
 random unrelated requests (also handed to minirt as int64 tensors, the form an engine
@@ -248,6 +252,7 @@ class Trace:
         for r in self.requests:  # fresh slots for the whole sequence, as after a prefill
             self.slots.append(torch.arange(start, start + len(r), dtype=torch.int64))
             start += len(r)
+        self.rows = [s.to(torch.int32) for s in self.slots]  # the same, as SGLang holds them
         self.tokens = sum(len(r) for r in self.requests)
         self.evict_chunk = max(1, int(statistics.median(len(r) for r in self.requests)))
 
@@ -307,15 +312,18 @@ class SGLang(Contender):
     def serve(self, cache, trace: Trace, record: list | None = None) -> None:
         key_of, match_params, insert_params = (
             self.sgl.RadixKey, self.sgl.MatchPrefixParams, self.sgl.InsertParams)
-        for ids, slots in zip(trace.arrays, trace.slots, strict=True):
+        for ids, row in zip(trace.arrays, trace.rows, strict=True):
             m = cache.match_prefix(match_params(key=key_of(ids)))
             node = m.last_device_node
             prefix = cache.path_device_indices(node)
             cache.inc_lock_ref(node)
-            # the key the tree keeps is a fresh array, as in SGLang's own insert path
-            # (``RadixCache.checkpoint``: ``req.full_untruncated_fill_ids[:up_to]``), just
-            # as minirt copies what it keeps
-            r = cache.insert(insert_params(key=key_of(ids[: len(ids)]), value=slots))
+            # what SGLang's own insert path hands ``insert``: the key a fresh array
+            # (``RadixCache.checkpoint``: ``req.full_untruncated_fill_ids[:up_to]``), the
+            # values the request's int32 row of ``req_to_token`` as a fresh int64 tensor
+            # (``RadixCache._insert_cache``: ``.to(dtype=torch.int64, copy=True)``)
+            aligned = len(ids) - len(ids) % cache.page_size  # the key's whole pages
+            values = row[:aligned].to(dtype=torch.int64, copy=True)
+            r = cache.insert(insert_params(key=key_of(ids[: len(ids)]), value=values))
             cache.dec_lock_ref(node)
             if record is not None:
                 record.append((m.device_prefix_len, _slots_digest(prefix), r.prefix_len))
@@ -400,7 +408,8 @@ def time_pair(contenders: Sequence[Contender], trace: Trace, page_size: int,
 
 def memory_costs(trace: Trace, repeats: int) -> dict[str, float]:
     """CPU microseconds a request of ``trace`` spends on the memory work alone, outside
-    any tree: what each side copies and keeps, and minirt's checks. Each loop keeps
+    any tree: what each side copies (SGLang also converts) and keeps, and minirt's
+    checks. Each loop keeps
     what it makes (as a tree would: fresh memory each request), median of ``repeats``.
     The floor of the request path where requests share nothing."""
     import numpy as np
@@ -409,12 +418,15 @@ def memory_costs(trace: Trace, repeats: int) -> dict[str, float]:
         a = s.numpy()
         return bool(a.min(initial=0) >= 0), a.tobytes()  # what minirt's insert does to new slots
 
-    steps: dict[str, Callable[[array, torch.Tensor], object]] = {
-        "SGLang: ids[:len] + slots.clone()": lambda a, s: (a[: len(a)], s.clone()),
-        "minirt: TokenIds (copy + sign check)": lambda a, s: TokenIds(a),
-        "minirt: slots sign check + copy": lambda a, s: slots_check_then_copy(s),
-        "minirt: slots sign check alone": lambda a, s: bool(np.asarray(s).min(initial=0) >= 0),
-        "both copies, unchecked (for scale)": lambda a, s: (a.tobytes(), s.numpy().tobytes()),
+    steps: dict[str, Callable[[array, torch.Tensor, torch.Tensor], object]] = {
+        "SGLang: ids[:len] + row.to(int64) + clone()": lambda a, s, row: (
+            a[: len(a)], row.to(dtype=torch.int64, copy=True).clone()),
+        "SGLang: row.to(int64) alone": lambda a, s, row: row.to(dtype=torch.int64, copy=True),
+        "minirt: TokenIds (copy + sign check)": lambda a, s, row: TokenIds(a),
+        "minirt: slots sign check + copy": lambda a, s, row: slots_check_then_copy(s),
+        "minirt: slots sign check alone": lambda a, s, row: bool(np.asarray(s).min(initial=0) >= 0),
+        "ids and slots copied, unchecked (for scale)": lambda a, s, row: (
+            a.tobytes(), s.numpy().tobytes()),
     }
     out = {}
     for name, step in steps.items():
@@ -422,7 +434,8 @@ def memory_costs(trace: Trace, repeats: int) -> dict[str, float]:
         for _ in range(repeats):
             kept: list[object] = []
             seconds, _ = _cpu(lambda step=step, kept=kept: [
-                kept.append(step(a, s)) for a, s in zip(trace.arrays, trace.slots, strict=True)])
+                kept.append(step(a, s, row))
+                for a, s, row in zip(trace.arrays, trace.slots, trace.rows, strict=True)])
             runs.append(seconds)
             del kept
         out[name] = statistics.median(runs) / len(trace.arrays) * 1e6

@@ -11,6 +11,7 @@ import random
 import sys
 
 import pytest
+import torch
 from script_loader import forget_script, load_script
 
 
@@ -76,8 +77,17 @@ def test_a_disagreement_is_caught_and_named(bench, sglang):
 def test_memory_costs_times_each_side_s_copies_and_minirt_s_checks(bench):
     trace = small_trace(bench)
     costs = bench.memory_costs(trace, repeats=1)
-    assert set(costs) == {"SGLang: ids[:len] + slots.clone()",
+    assert set(costs) == {"SGLang: ids[:len] + row.to(int64) + clone()",
+                          "SGLang: row.to(int64) alone",
                           "minirt: TokenIds (copy + sign check)",
                           "minirt: slots sign check + copy", "minirt: slots sign check alone",
-                          "both copies, unchecked (for scale)"}
+                          "ids and slots copied, unchecked (for scale)"}
     assert all(us > 0 for us in costs.values())
+
+
+def test_sglang_is_handed_each_request_s_slots_as_its_server_holds_them(bench):
+    """SGLang's request row is int32 (``ReqToTokenPool.req_to_token``), converted by its own
+    insert path; minirt's slots are the int64 tensor its page table holds. Same slots."""
+    trace = small_trace(bench)
+    assert all(r.dtype is torch.int32 and s.dtype is torch.int64 and torch.equal(r.long(), s)
+               for r, s in zip(trace.rows, trace.slots, strict=True))
