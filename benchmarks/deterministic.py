@@ -13,7 +13,8 @@ Each measurement alternates the two modes (``Engine(deterministic=False)`` and `
 and reports medians and the ratio; the greedy tokens of the burst are compared with one
 request served alone, in both modes (the mismatch count is the number of requests whose
 tokens differ). ``--probe`` first prints, for fp32 and bf16, the row counts ``M`` at which
-row 0 of ``x[:M] @ w.T`` changes bits on this machine (``llama.MIN_ROWS``' reason).
+some row of ``x[:M] @ w.T`` changes bits on this machine (``llama.MIN_ROWS``' reason),
+on the plain kernel and on the prepacked one where oneDNN packs the dtype.
 The load average is printed beside the numbers: timings on a shared machine are noisy.
 """
 
@@ -36,15 +37,19 @@ def probe(rows: list[int]) -> None:
     torch's thread count: the row counts M at which some row of ``x[:M] @ w.T`` has other
     bits than the same row alone, padded to ``MIN_ROWS`` rows (every row, not only row 0)."""
     from minirt.llama import MIN_ROWS
-    from minirt.model import _linear
+    from minirt.model import _linear, onednn_packs
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(1536, 576, generator=gen).to(dtype)
         x = torch.randn(max(rows), 576, generator=gen).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        for kernel, product in (("plain", lambda a, w=w: torch.nn.functional.linear(a, w)),
-                                ("prepacked", lambda a, w=w, p=packed: _linear(a, w, None, p))):
+        kernels = [("plain", lambda a, w=w: torch.nn.functional.linear(a, w))]
+        if onednn_packs(dtype):  # bf16 needs AVX-512 or AVX-NE-CONVERT
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            kernels.append(("prepacked", lambda a, w=w, p=packed: _linear(a, w, None, p)))
+        else:
+            print(f"probe {dtype} prepacked: oneDNN does not pack {dtype} on this CPU")
+        for kernel, product in kernels:
             pad = x.new_zeros(MIN_ROWS - 1, x.shape[1])
             moved = []
             for m in rows:

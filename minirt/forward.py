@@ -61,8 +61,8 @@ def forward_paged(model, pool: KVPool, tables: Sequence[PageTable], new_ids: Seq
     does) and, on CPU, run on oneDNN's prepacked weights in bf16 as in fp32
     (``model.prepack_bf16``): those GEMMs give a row the same bits wherever it sits in
     the batch, where the plain kernel at 2 threads did not (fp32 on a 2-core AVX2 CPU: rows
-    8-10 of 11; bf16 on a 2-core Xeon: row 4 of 9, a batch of 12 prefills or one-token
-    steps differing from each request alone).
+    8-10 of 11; bf16 on a 2-core Xeon: row 4 of 9 of a batch). oneDNN packs bf16 only with
+    AVX-512 or AVX-NE-CONVERT: elsewhere bf16 stays on the plain kernel, row-checked in tests.
     """
     ids = _new_ids(tables, new_ids)
     if deterministic:

@@ -10,8 +10,8 @@ the rows). ``_Rows`` and ``_run`` put several such parts of a step, a prefill's 
 decode's, side by side in one pass, every weight read once for all of them.
 
 Its part of the deterministic switch (chapter 10): every matrix product on at least
-``MIN_ROWS`` rows (``_rows``), on the prepacked weights the forward pass asks for
-(``model.prepack_bf16``), so a row's bits do not depend on the rows beside it.
+``MIN_ROWS`` rows (``_rows``), on prepacked weights where oneDNN packs the dtype, else the
+plain kernel (``model.prepack_bf16``), so a row's bits do not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _run(model, parts: Sequence[_Rows], deterministic: bool = False) -> list[tor
 MIN_ROWS = 4
 """The fewest rows a matrix product gets in deterministic mode. Measured with torch 2.13's
 CPU build at 2 threads (``benchmarks/deterministic.py --probe``, every row of each count):
-on oneDNN's prepacked weights, which the mode runs in fp32 and bf16
+on oneDNN's prepacked weights, which the mode runs in fp32 and, where oneDNN packs it, bf16
 (``model.prepack_bf16``), every row of a product of 4 rows or more has the bits of
 the same row alone padded to 4 rows; one row takes a matrix-vector path (and, in the
 default mode, ``kernels.gemv``). torch's plain kernels also move rows by their place in

@@ -37,7 +37,7 @@ __all__ = [
     "cache_dir",
     "default_device",
     "default_dtype",
-    "fetch_default_model", "fuse_projections", "prepack_bf16",
+    "fetch_default_model", "fuse_projections", "onednn_packs", "prepack_bf16",
     "grouped_decode",
     "load_model",
     "tiny_model",
@@ -304,11 +304,16 @@ def fuse_projections(model, prepack: bool = True) -> int:
 
 def prepack_bf16(model) -> None:
     """``fuse_projections(model)``, and on CPU its bf16 GEMMs on oneDNN's blocked weights
-    too (idempotent). The plain bf16 kernel splits a product's rows between threads, so a
-    row's bits depend on where it sits in the batch; the deterministic mode needs the
-    packed kernel (chapter 10). The model keeps the copies: its default mode runs on them
-    from then on, as it does in fp32."""
+    too (idempotent). Where oneDNN runs bf16 (AVX-512 or AVX-NE-CONVERT), torch's plain
+    bf16 kernel splits a product's rows between threads, so a row's bits depend on where
+    it sits in the batch, and the deterministic mode needs the packed kernel (chapter 10).
+    The model keeps the copies: its default mode runs on them from then on, as it does in
+    fp32. Where oneDNN cannot pack bf16 (``onednn_packs``: an AVX2-only CPU) the products
+    stay on torch's plain bf16 kernel, row-invariant there by measurement, not by
+    construction: ``tests/test_forward.py`` checks its rows."""
     fuse_projections(model)
+    if not onednn_packs(torch.bfloat16):
+        return
     bf16 = (torch.bfloat16,)
     for module in model.modules():
         if getattr(module, "_minirt_fused", False) and module.fused_packed is None:
@@ -326,10 +331,28 @@ def _prepack(weight: torch.Tensor,
     available (another device, a dtype outside ``dtypes``, a torch without oneDNN)."""
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if (weight.device.type != "cpu" or weight.dtype not in dtypes or reorder is None
-            or not torch.backends.mkldnn.is_available()):
+            or not onednn_packs(weight.dtype)):
         return None
     with torch.no_grad():
         return reorder(weight.detach(), None)
+
+
+_PACKS: dict[torch.dtype, bool] = {}  # onednn_packs' answers, per dtype
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights for CPU GEMMs here: fp32 wherever torch has
+    oneDNN; bf16 on an x86 CPU only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (torch
+    raises on an AVX2-only one). Asked once per dtype, on a tiny weight."""
+    if dtype not in _PACKS:
+        reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+        try:
+            _PACKS[dtype] = reorder is not None and torch.backends.mkldnn.is_available() \
+                and reorder(torch.zeros(16, 16, dtype=dtype), None) is not None
+        except RuntimeError:
+            _PACKS[dtype] = False
+    return _PACKS[dtype]
+
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -22,6 +22,8 @@ from minirt.model import (
     fetch_default_model,
     fuse_projections,
     load_model,
+    onednn_packs,
+    prepack_bf16,
     tiny_model,
 )
 
@@ -108,6 +110,27 @@ def test_fused_projections_change_no_weight_and_no_logit(which):
         one = extend(fused, prefill(fused, ids[0, :23])[1], ids[0, 23:])[0]
         torch.testing.assert_close(one, plain(ids[:1]).logits[0, 23:], rtol=1e-4, atol=1e-4)
 
+
+
+def test_bf16_is_prepacked_where_onednn_packs_it_and_runs_plain_where_it_cannot():
+    """oneDNN packs bf16 weights only on AVX-512 or AVX-NE-CONVERT CPUs (torch raises
+    elsewhere): ``prepack_bf16`` packs them there and leaves them plain on an AVX2-only
+    CPU, and either way the model computes what it computed before."""
+    model = tiny_model(0).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(ids).logits
+        prepack_bf16(model)
+        got = model(ids).logits
+    attn = model.model.layers[0].self_attn
+    try:  # what onednn_packs asks, asked here directly
+        torch.ops.mkldnn._reorder_linear_weight(attn.fused_weight.detach(), None)
+        packs = torch.backends.mkldnn.is_available()
+    except RuntimeError:
+        packs = False
+    assert onednn_packs(torch.bfloat16) == packs
+    assert (attn.fused_packed is not None) == packs
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
 def test_device_and_dtype_choice(monkeypatch):
