@@ -456,7 +456,7 @@ class Engine:
         if self.windowed:
             return self.lifecycle.match(req)
         extra = {} if self.host_tier is None else {"load_back": False}
-        req.match = self.cache.match_prefix(req.prompt[:-1], priority=job.request.priority,
+        req.match = self.cache.match_prefix(req.prompt_ids[:-1], priority=job.request.priority,
                                             salt=req.salt, **extra)
         return req.match
 

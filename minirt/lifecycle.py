@@ -41,7 +41,7 @@ from .forward import forward_mixed, forward_paged
 from .llama import is_llama
 from .pool import KVPool, PageTable
 from .radix import RadixNode
-from .token_ids import as_ids, slots_tensor
+from .token_ids import TokenIds, as_ids, slots_tensor
 from .working_set import WorkingKV
 
 __all__ = [
@@ -105,11 +105,23 @@ class Request:
     private: torch.Tensor = field(default_factory=lambda: _EMPTY)
     next_token: Callable[[torch.Tensor], int] = field(default=greedy_token, repr=False)
     salt: str | bytes | None = None  # cache salt: only requests with the same salt share K/V
+    prompt_ids: TokenIds = field(init=False, repr=False)  # the prompt, checked once
+
+    def __post_init__(self) -> None:
+        # copied and checked once, the ids the cache is handed; the tensor the model reads is
+        # made from that copy, so the caller changing its own ids afterwards changes neither
+        self.prompt_ids = TokenIds(self.prompt, "prompt")
+        self.prompt = as_ids(self.prompt_ids)
 
     @property
     def tokens(self) -> torch.Tensor:
         """Prompt followed by the tokens generated so far."""
         return torch.cat([self.prompt, torch.tensor(self.output, dtype=torch.int64)])
+
+    def cache_ids(self, n: int) -> TokenIds:
+        """The first ``n`` of ``tokens`` as the cache takes them: a view of ``prompt_ids``
+        while they are prompt, else all ``n`` (prompt included) copied and checked anew."""
+        return self.prompt_ids[:n] if n <= len(self.prompt_ids) else TokenIds(self.tokens[:n])
 
     @property
     def done(self) -> bool:
@@ -224,7 +236,7 @@ class Lifecycle:
         The result is only a candidate: until ``lock``, eviction may still take it.
         """
         self._require(req, "waiting")
-        req.match = self.cache.match_prefix(req.prompt[:-1], salt=req.salt)
+        req.match = self.cache.match_prefix(req.prompt_ids[:-1], salt=req.salt)
         return req.match
 
     def lock(self, req: Request) -> CacheHandle:
@@ -461,7 +473,7 @@ class Lifecycle:
         """
         n = req.kv_len
         slots = req.page_table.slots[:n]
-        res = self.cache.insert_prefix(req.tokens[:n], slots, salt=req.salt)
+        res = self.cache.insert_prefix(req.cache_ids(n), slots, salt=req.salt)
         aligned = int(res.indices.numel())
         req.page_table.repoint(res.indices)              # 1. re-point first ...
         duplicates = slots[req.cached_len:res.cached_len]

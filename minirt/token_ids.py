@@ -87,8 +87,10 @@ def as_ids(x: IdsLike | TokenIds, what: str = "ids") -> torch.Tensor:
     Raises InvalidIdsError naming ``what`` for anything else: wrong rank, a float or bool
     dtype, negative entries, or values that are not integers at all.
     """
-    if type(x) is TokenIds:
-        return torch.tensor(x.tolist(), dtype=torch.int64)
+    if type(x) is TokenIds:  # checked already: one copy into a tensor of its own
+        if not len(x):
+            return torch.empty(0, dtype=torch.int64)
+        return torch.frombuffer(bytearray(x.tokens), dtype=torch.int64)
     t = _int64_tensor(x, what)
     _check_non_negative(t.numpy().tobytes(), what)
     return t

@@ -162,7 +162,7 @@ class WindowLifecycle(Lifecycle):
     def match(self, req: Request) -> WindowMatch:
         """Step 1: the longest usable prefix of all but the last prompt token."""
         self._require(req, "waiting")
-        req.match = self.cache.match_prefix(req.prompt[:-1])
+        req.match = self.cache.match_prefix(req.prompt_ids[:-1])
         return req.match
 
     def _start_tables(self, req: Request) -> None:
@@ -251,7 +251,7 @@ class WindowLifecycle(Lifecycle):
         """Insert the tokens with K/V, both kinds; re-point both tables at the tree's
         slots, then free this request's duplicates (the base class's order)."""
         n, table = req.kv_len, self.window_tables[req.rid]
-        res = self.cache.insert_prefix(req.tokens[:n], req.page_table.slots[:n], table[:n])
+        res = self.cache.insert_prefix(req.cache_ids(n), req.page_table.slots[:n], table[:n])
         tree_full, tree_window = self.cache.path_slots(res.handle)
         req.page_table.repoint(tree_full)                # 1. re-point first ...
         table[:n] = tree_window

@@ -564,3 +564,19 @@ def test_a_bad_chunk_changes_nothing_and_a_part_way_request_aborts_cleanly(model
     lc.check_integrity()
     lc.abort(r)
     assert lc.pool.num_free == 32 and lc.cache.total_size == 0
+
+
+def test_a_request_keeps_its_own_checked_copy_of_the_prompt(model):
+    """The cache is handed ``prompt_ids`` (checked once) and the model reads ``prompt``:
+    both come from one copy, so a caller changing its tensor afterwards changes neither,
+    and the ids the insert hands the cache are the prompt's, then prompt + output."""
+    lc = make(model, capacity=16)
+    ids = torch.tensor([5, 6, 7, 8, 9])
+    req = lc.new_request(ids, 3, rid="A")
+    ids[0] = 1
+    assert req.prompt.tolist() == req.prompt_ids.tolist() == [5, 6, 7, 8, 9]
+    assert lc.match(req).cached_len == 0
+    lc.run(req)
+    assert req.cache_ids(4).tolist() == [5, 6, 7, 8]
+    assert req.cache_ids(7).tolist() == req.tokens[:7].tolist() and len(req.output) == 3
+    assert lc.match(lc.new_request([5, 6, 7, 8, 9, 2], 1, rid="B")).cached_len == 5
