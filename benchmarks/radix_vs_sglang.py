@@ -20,26 +20,33 @@ it: the ids as an ``array('q')`` (SGLang's ``RadixKey`` type); the fresh slots a
 int64 tensor for minirt (its ``PageTable.slots``) and as an int32 row for SGLang (its
 request's row of ``ReqToTokenPool.req_to_token``). minirt checks the ids once per
 request (``TokenIds``, inside the timing) and hands the checked ids to both its match
-and its insert; it checks the slots in its insert. Each keeps its own copy of what it
+and its insert, as its ``Lifecycle`` does (``Request.prompt_ids``: the prompt's ``TokenIds``,
+made when the request is added; an insert past the prompt, with output tokens, copies
+and checks those ids once more, which these prompt-only traces never need); it checks
+the slots in its insert. Each keeps its own copy of what it
 caches: minirt copies the ids once (the checked copy, read-only, which the tree then
 shares) and the slots it keeps. SGLang's insert gets what its server path,
 sglang 0.5.23 `srt/mem_cache/radix_cache.py: RadixCache.checkpoint, RadixCache._insert_cache`,
 hands it: the key a fresh slice of the request's ids
 (``req.full_untruncated_fill_ids[:up_to]``), the values the row as a fresh int64
 tensor (``kv_indices[:key_len].to(dtype=torch.int64, copy=True)``), whose new part the
-insert then clones. Then the tree is evicted to empty, a request's worth of tokens per
+insert then clones. Both trees live in host memory here, as on SGLang's CPU backend; on
+a GPU server the row and the tree's values live on the device, where the conversion and
+the clone cost the host a kernel launch each rather than a pass over the row (not
+measured here). Then the tree is evicted to empty, a request's worth of tokens per
 call (as a server making room), timed as "eviction".
 
 The workloads: the book's chat, few-shot and RAG workloads, shared system prompts,
-random unrelated requests (also handed to minirt as int64 tensors, the form an engine
-holds its ids in, given as they are to both its match and its insert, which each check
+random unrelated requests (also handed to minirt as int64 tensors, as a caller without
+``TokenIds`` would, given as they are to both its match and its insert, which each check
 them; and 3,000 of 16 tokens, where a request costs its calls and little else), and
 Mooncake's production
 traces (``minirt.traces``: the conversation and synthetic traces), whole at
 ``--block-size`` tokens per hash id (16 by default) and their first
 ``--full-block-requests`` requests at 512, the traces' own block, where a request is
-13,700 tokens on average: there the cost per token (copies, comparisons) dominates, where
-at 16 the cost per node and per call does.
+13,800 (conversation) and 12,400 (synthetic) tokens on average in the first 600: there
+the cost per token (copies, comparisons) dominates, where at 16 the cost per node and
+per call does.
 
 Every request's matched length, its slot indices and the already-cached length of
 its insert must agree between the two caches; the script exits with status 1 if
@@ -238,7 +245,7 @@ def load_sglang(wheel: Path) -> types.SimpleNamespace:
 @dataclass
 class Trace:
     """A workload as both contenders take it: each request's ids as an int64 array, its
-    fresh slots as an int64 tensor."""
+    fresh slots as an int64 tensor (minirt's) and as an int32 row (SGLang's)."""
 
     name: str
     requests: Sequence[Sequence[int]]  # lists, or int64 arrays (a production trace's)

@@ -85,9 +85,17 @@ def test_memory_costs_times_each_side_s_copies_and_minirt_s_checks(bench):
     assert all(us > 0 for us in costs.values())
 
 
-def test_sglang_is_handed_each_request_s_slots_as_its_server_holds_them(bench):
-    """SGLang's request row is int32 (``ReqToTokenPool.req_to_token``), converted by its own
-    insert path; minirt's slots are the int64 tensor its page table holds. Same slots."""
+def test_sglang_is_handed_each_request_s_slots_as_its_server_holds_them(bench, sglang):
+    """SGLang's request row is int32 (``ReqToTokenPool.req_to_token``), which its serve
+    converts to int64 before the insert, as SGLang's ``_insert_cache`` does (the tree
+    would keep int32 values otherwise); minirt's slots are its page table's int64. Same
+    slots."""
     trace = small_trace(bench)
     assert all(r.dtype is torch.int32 and s.dtype is torch.int64 and torch.equal(r.long(), s)
                for r, s in zip(trace.rows, trace.slots, strict=True))
+    contender = bench.SGLang(sglang)
+    cache = contender.fresh(1)
+    contender.serve(cache, trace)
+    m = cache.match_prefix(sglang.MatchPrefixParams(key=sglang.RadixKey(trace.arrays[0])))
+    assert m.device_prefix_len == len(trace.arrays[0])
+    assert cache.path_device_indices(m.last_device_node).dtype is torch.int64
